@@ -1,0 +1,76 @@
+"""The `dsv41` command line.
+
+    dsv41 info                           what was built and what this process sees
+    dsv41 kv-bytes --preset v41-flash    the KV byte budget of a model (table or --json)
+    dsv41 kv-bytes --config config.json  ... of a Hugging Face or inference config file
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from ._build import build_info
+
+    info = build_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        if isinstance(value, list):
+            value = ", ".join(map(str, value)) or "-"
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _cmd_kv_bytes(args: argparse.Namespace) -> int:
+    from .budget import format_budget_table, kv_budget
+    from .config import ConfigError, ModelConfig
+
+    try:
+        config = ModelConfig.from_json(args.config) if args.config else ModelConfig.preset(args.preset)
+        other = ModelConfig.preset(args.compare) if args.compare != "none" else None
+    except (ConfigError, KeyError, OSError, ValueError) as e:
+        print(f"dsv41 kv-bytes: {e}", file=sys.stderr)
+        return 2
+    budget = kv_budget(config)
+    against = kv_budget(other) if other is not None and other.name != config.name else None
+    if args.json:
+        print(json.dumps(budget.to_dict(compare_to=against), indent=2))
+    else:
+        print(format_budget_table(budget, compare_to=against))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .config import preset_names
+
+    p = argparse.ArgumentParser(prog="dsv41", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="print build and runtime facts (CUDA, arch list, torch)")
+    info.add_argument("--json", action="store_true", help="print a JSON object")
+    info.set_defaults(func=_cmd_info)
+
+    kv = sub.add_parser("kv-bytes", help="KV-cache bytes per token and per sequence of a model")
+    src = kv.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="v41-flash", choices=preset_names(),
+                     help="a built-in model config (default: v41-flash)")
+    src.add_argument("--config", metavar="PATH", help="a config.json (HF nested or flat inference spelling)")
+    kv.add_argument("--compare", default="v4-flash", choices=preset_names() + ["none"],
+                    help="preset to state the ratios against (default: v4-flash)")
+    kv.add_argument("--json", action="store_true", help="print a JSON object")
+    kv.set_defaults(func=_cmd_kv_bytes)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

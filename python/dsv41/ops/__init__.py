@@ -1,0 +1,14 @@
+"""dsv41's torch ops (namespace `torch.ops.dsv41`).
+
+Loading this package loads the compiled extension (which registers the CPU and CUDA
+kernels) and the fake kernels that let the ops run under torch.compile / FakeTensor.
+The format ops are wrapped with argument checks in `dsv41.formats`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _C  # noqa: F401  (registers torch.ops.dsv41.*)
+from . import _fake  # noqa: F401
+
+ops = torch.ops.dsv41

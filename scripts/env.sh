@@ -1,0 +1,40 @@
+# Sourced by scripts/test.sh and scripts/run.sh: makes .venv, installs what
+# requirements-dev.txt names, builds dsv41._C in place (incrementally, with ninja) and
+# installs the package in editable mode. Idempotent: a second run only re-checks.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${DSV41_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+cd "$ROOT"
+
+log() { printf '[dsv41 setup] %s\n' "$*" >&2; }
+
+if [ ! -x "$PY" ]; then
+  log "creating $VENV"
+  "${DSV41_BASE_PYTHON:-python3}" -m venv "$VENV"
+fi
+
+req_stamp="$VENV/.requirements-$(sha256sum requirements-dev.txt | cut -c1-16)"
+if [ ! -f "$req_stamp" ]; then
+  log "installing requirements-dev.txt (torch is several GB: a few minutes the first time)"
+  "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+  touch "$req_stamp"
+fi
+
+# CUDA: torch would guess /usr/local; the toolkit here lives in /usr/local/cuda.
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}"
+if command -v ccache >/dev/null 2>&1 && [ -z "${CXX:-}" ]; then export CXX="ccache g++"; fi
+
+log "building dsv41._C (incremental)"
+start=$(date +%s)
+"$PY" setup.py -q build_ext --inplace >"$VENV/.build.log" 2>&1 || { cat "$VENV/.build.log" >&2; log "build failed"; exit 1; }
+grep -m1 '^dsv41: building' "$VENV/.build.log" >&2 || true
+log "build done in $(( $(date +%s) - start )) s"
+
+if [ ! -x "$VENV/bin/dsv41" ]; then
+  log "installing dsv41 in editable mode"
+  DSV41_NO_EXT=1 "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+fi
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,99 @@
+"""Build dsv41 and its extension dsv41._C.
+
+What gets compiled:
+  * always: the framework-free CPU ops (csrc/cpu) and the one torch binding file
+    (csrc/bindings), with the headers in include/;
+  * with CUDA: the kernels in csrc/cuda, for TORCH_CUDA_ARCH_LIST (default "9.0a", i.e.
+    -gencode=arch=compute_90a,code=sm_90a).
+
+CUDA is used when torch is a CUDA build and nvcc is found (CUDA_HOME, else
+/usr/local/cuda, else nvcc on PATH); DSV41_CUDA=0 or 1 forces either way (1 fails loudly
+if CUDA cannot be used). No GPU is needed to compile. Install with
+`pip install --no-build-isolation .` so the build uses the torch you run with.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCH_LIST = "9.0a"
+
+
+def _find_cuda_home() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return home
+    if os.path.exists("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda"
+    nvcc = shutil.which("nvcc")
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
+
+
+def _want_cuda(torch_cuda: str | None, cuda_home: str | None) -> bool:
+    forced = os.environ.get("DSV41_CUDA")
+    if forced not in (None, "", "0", "1"):
+        sys.exit(f"DSV41_CUDA must be 0 or 1, got {forced!r}")
+    if forced == "0":
+        return False
+    usable = bool(torch_cuda and cuda_home)
+    if forced == "1" and not usable:
+        why = "torch is a CPU-only build" if not torch_cuda else "nvcc was not found (set CUDA_HOME)"
+        sys.exit(f"DSV41_CUDA=1 but CUDA cannot be used: {why}")
+    return usable
+
+
+def _extensions():
+    if os.environ.get("DSV41_NO_EXT") == "1":
+        return [], {}  # editable wiring only: the extension is built in place separately
+    # cpp_extension reads CUDA_HOME when it is imported: settle it first.
+    cuda_home = _find_cuda_home()
+    if cuda_home:
+        os.environ["CUDA_HOME"] = cuda_home
+    import torch
+    from torch.utils import cpp_extension as ext
+
+    use_cuda = _want_cuda(torch.version.cuda, cuda_home)
+    sources = sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/bindings/*.cpp"))
+    cxx = ["-O3"]  # torch sets the C++ standard (C++20 for torch >= 2.10)
+    nvcc = ["-O3", "-lineinfo"]
+    macros = [("DSV41_BUILD_TORCH_VERSION", f'"{torch.__version__}"')]
+    kwargs = dict(
+        name="dsv41._C",
+        include_dirs=[os.path.join(ROOT, "include")],
+        define_macros=macros,
+    )
+    if use_cuda:
+        arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+        macros += [("DSV41_WITH_CUDA", "1"), ("DSV41_CUDA_ARCH_LIST", f'"{arch_list}"')]
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        module = ext.CUDAExtension(sources=sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                                   **kwargs)
+    else:
+        module = ext.CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
+    print(f"dsv41: building with CUDA={'yes' if use_cuda else 'no'}"
+          + (f" (CUDA_HOME={cuda_home}, arch={os.environ['TORCH_CUDA_ARCH_LIST']})" if use_cuda else ""))
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
+    return [module], {"build_ext": ext.BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="dsv41",
+    version="0.1.0",
+    description="A runtime for DeepSeek-V4.1-Flash-style models: FP4 global KV, SWA replay, tiered prefix cache",
+    package_dir={"": "python"},
+    packages=find_packages("python"),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.6", "numpy"],
+    extras_require={"test": ["pytest", "pytest-benchmark"], "gpu": ["cupy-cuda13x", "nvtx"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    entry_points={"console_scripts": ["dsv41=dsv41.cli:main"]},
+    zip_safe=False,
+)
