@@ -1,11 +1,10 @@
-// The one file that sees torch: argument checks, output allocation and dispatch to the
-// framework-free CPU loops and CUDA launchers. Ops live in the `dsv41` torch.library
+// The torch ops: argument checks, output allocation and dispatch to the framework-free
+// CPU loops and CUDA launchers. Ops live in the `dsv41` torch.library
 // namespace (CPU and CUDA kernels here; fake/meta kernels in python/dsv41/ops/_fake.py),
 // so they work from Python, from C++ (torch::Dispatcher) and under torch.compile.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 #include <string>
@@ -227,32 +226,3 @@ TORCH_LIBRARY_IMPL(dsv41, CUDA, m) {
   DSV41_IMPL_CODEC_OPS(m, fp8_swa)
 }
 #endif
-
-#ifndef DSV41_CUDA_ARCH_LIST
-#define DSV41_CUDA_ARCH_LIST ""
-#endif
-#ifndef DSV41_BUILD_TORCH_VERSION
-#define DSV41_BUILD_TORCH_VERSION ""
-#endif
-
-// Compile-time facts; python/dsv41/_build.py adds the run-time ones.
-PYBIND11_MODULE(_C, m) {
-  m.def("_compiled_config", []() {
-    pybind11::dict d;
-#ifdef DSV41_WITH_CUDA
-    d["cuda_compiled"] = true;
-    d["cuda_runtime_version"] = CUDART_VERSION;
-#else
-    d["cuda_compiled"] = false;
-    d["cuda_runtime_version"] = pybind11::none();
-#endif
-    d["cuda_arch_list"] = std::string(DSV41_CUDA_ARCH_LIST);
-    d["built_with_torch"] = std::string(DSV41_BUILD_TORCH_VERSION);
-#if defined(__clang__)
-    d["host_compiler"] = std::string("clang ") + __clang_version__;
-#elif defined(__GNUC__)
-    d["host_compiler"] = std::string("gcc ") + __VERSION__;
-#endif
-    return d;
-  });
-}

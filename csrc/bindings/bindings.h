@@ -1,0 +1,9 @@
+// Hooks through which binding files add plain Python functions and classes to dsv41._C:
+// each file defines one `void bind_<area>(pybind11::module_&)`, declared here and called
+// from PYBIND11_MODULE in module.cpp. (Torch ops need no hook: TORCH_LIBRARY blocks
+// register themselves when the library loads.)
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace dsv41 {}  // namespace dsv41
