@@ -24,14 +24,17 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCH_LIST = "9.0a"
 
 
+def _is_toolkit(home: str | None) -> bool:
+    # An nvcc wrapper on PATH (e.g. /usr/local/bin/nvcc) does not make /usr/local a toolkit.
+    return bool(home) and os.path.exists(os.path.join(home, "bin", "nvcc")) and \
+        os.path.exists(os.path.join(home, "include", "cuda_runtime.h"))
+
+
 def _find_cuda_home() -> str | None:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-        return home
-    if os.path.exists("/usr/local/cuda/bin/nvcc"):
-        return "/usr/local/cuda"
     nvcc = shutil.which("nvcc")
-    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
+                  os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None]
+    return next((c for c in candidates if _is_toolkit(c)), None)
 
 
 def _want_cuda(torch_cuda: str | None, cuda_home: str | None) -> bool:

@@ -418,9 +418,8 @@ class ModelConfig:
             if key is not None:
                 kwargs[f.name] = src[key]
             elif f.name not in defaults:
-                hf, flat = _KEYS[f.name][0], _KEYS[f.name][1]
-                raise ConfigError(f"missing required key {hf!r} (flat spelling {flat!r}) "
-                                  f"for field {f.name}")
+                spellings = " / ".join(repr(k) for k in _KEYS[f.name])
+                raise ConfigError(f"missing required key {spellings} for field {f.name}")
         kwargs["name"] = name or next(
             (str(src[k]) for k in ("name", "_name_or_path", "model_type") if src.get(k)),
             "custom")
