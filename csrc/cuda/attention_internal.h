@@ -1,0 +1,30 @@
+// Shared between the attention .cu files (not a public header).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "dsv41/attention/params.h"
+
+namespace dsv41 {
+namespace attn {
+
+struct KernelArgs {
+  SparseAttentionParams p;
+  int num_splits = 1;
+  float* ws_o = nullptr;    // [T, S, H, D] partial outputs (normalised, no sink)
+  float* ws_lse = nullptr;  // [T, S, H] partial log-sum-exp
+};
+
+// attention_mma.cu: the tensor-core kernel (writes the final output when num_splits == 1,
+// the partials otherwise).
+cudaError_t launch_mma(const KernelArgs& a, cudaStream_t stream);
+// attention_combine.cu: merges the partials and applies the sink.
+cudaError_t launch_combine(const KernelArgs& a, cudaStream_t stream);
+// attention_generic.cu: fp32, one warp per (query, head), any H and D % 32 == 0.
+cudaError_t launch_generic(const SparseAttentionParams& p, cudaStream_t stream);
+
+// Sets the dynamic shared-memory limit of `func` once per device.
+cudaError_t ensure_smem_attribute(const void* func, int bytes, int slot);
+
+}  // namespace attn
+}  // namespace dsv41

@@ -1,0 +1,61 @@
+// Compile-time choices of the sparse attention kernels: every tile size and shared-memory
+// layout in one place (see docs/kernels.md for the reasoning and the byte/FLOP counts).
+#pragma once
+
+namespace dsv41 {
+namespace attn {
+
+// ---- Tensor-core kernel (mma.sync m16n8k16 bf16, sm_80+) --------------------------------
+// One CTA = one query token x one group of 64 heads x one key split. The 64 heads form the
+// M dimension of S = Q K^T (MQA: one KV entry serves every head), keys stream in tiles.
+constexpr int kHeadsPerCta = 64;   // M; H must be a multiple
+constexpr int kHeadDim = 512;      // D (K = 512 for S, N = 512 for O)
+constexpr int kTileKeys = 64;      // keys per tile
+constexpr int kThreads = 256;      // 8 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxKeys = 4096;     // W + K per query staged in shared memory (else: generic)
+
+// Warp roles. S phase: warp w computes S[16 heads x 32 keys]: heads 16*(w%4), keys
+// 32*(w/4), full K = 512. PV phase: warp w owns O[64 heads x 64 dims], dims 64*w.
+constexpr int kSRows = 16;
+constexpr int kSKeys = 32;
+constexpr int kODims = kHeadDim / kWarps;  // 64
+
+// Shared memory (bytes). Q and K tiles are bf16 [64][512], 1 KiB rows of 64 16-byte chunks,
+// chunk c of row r stored at chunk c ^ (r & 7) (conflict-free ldmatrix). Raw tiles are the
+// stored bytes of 64 gathered rows (FP8: 512 values + 16 scales; NVFP4: 256 codes + 32
+// scales), double-buffered and filled by cp.async two tiles ahead.
+constexpr int kQBytes = kHeadsPerCta * kHeadDim * 2;           // 65536
+constexpr int kKBytes = kTileKeys * kHeadDim * 2;              // 65536
+constexpr int kRawFp8Values = kTileKeys * kHeadDim;            // 32768
+constexpr int kRawFp8Bytes = kRawFp8Values + kTileKeys * 16;   // 33792
+constexpr int kRawNvfp4Codes = kTileKeys * kHeadDim / 2;       // 16384
+constexpr int kRawNvfp4Bytes = kRawNvfp4Codes + kTileKeys * 32; // 18432
+constexpr int kRawBytes = kRawFp8Bytes;                        // max of the two
+constexpr int kPBytes = kHeadsPerCta * kTileKeys * 2;          // 8192: bf16 P [64][64]
+constexpr int kStatFloats = 2 * 64 + 64 + 2 * 64 + 64 + 64;    // red max, alpha, l, scale, lse
+
+constexpr int kOffQ = 0;
+constexpr int kOffK = kOffQ + kQBytes;
+constexpr int kOffRaw0 = kOffK + kKBytes;
+constexpr int kOffRaw1 = kOffRaw0 + kRawBytes;
+constexpr int kOffP = kOffRaw1 + kRawBytes;
+constexpr int kOffStats = kOffP + kPBytes;
+constexpr int kOffIdx = kOffStats + kStatFloats * 4;
+constexpr int kOffMisc = kOffIdx + kMaxKeys * 4;
+constexpr int kMiscInts = 16;
+constexpr int kSmemBytes = kOffMisc + kMiscInts * 4;  // 225088 (Hopper allows 232448)
+static_assert(kSmemBytes <= 232448, "attention tile does not fit Hopper shared memory");
+static_assert(kOffRaw0 % 128 == 0 && kOffRaw1 % 128 == 0 && kOffP % 128 == 0, "alignment");
+
+// Splits: at least this many tiles per split (a split re-reads q and writes a 128 KiB
+// partial O, which is worth it only over a couple of tiles).
+constexpr int kMinTilesPerSplit = 2;
+constexpr int kMaxSplits = 32;
+
+// ---- Generic kernel (fp32, any H, D % 32 == 0, D <= 1024) ---------------------------------
+constexpr int kGenericThreads = 128;  // 4 warps, one (query, head) per warp
+constexpr int kGenericMaxDimPerLane = 32;
+
+}  // namespace attn
+}  // namespace dsv41
