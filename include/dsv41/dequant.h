@@ -202,3 +202,35 @@ DSV41_HD void fp8_group8(uint32_t w0, uint32_t w1, const Pow2Factor& f, uint32_t
 
 }  // namespace dq
 }  // namespace dsv41
+
+namespace dsv41 {
+namespace dq {
+
+// The decoder self-check's unit (CPU and GPU run this same function): group g (8 dims) of
+// one stored row through the fast decoders, back to float32 in natural order, with the
+// folded constant removed. fmt: 0 NVFP4, 1 MXFP4, 2 FP8 SWA (dsv41::KvFormat values).
+DSV41_HD void decode_group_natural(int fmt, const uint8_t* codes_row, const uint8_t* scales_row,
+                                   int g, float y[8]) {
+  uint32_t o[4];
+  float mult = 1.0f;
+  auto word = [](const uint8_t* b) {
+    return static_cast<uint32_t>(b[0]) | (static_cast<uint32_t>(b[1]) << 8) |
+           (static_cast<uint32_t>(b[2]) << 16) | (static_cast<uint32_t>(b[3]) << 24);
+  };
+  if (fmt == 0) {
+    nvfp4_group8(word(codes_row + 4 * g), nvfp4_factor(scales_row[g / 2]), o);
+    mult = static_cast<float>(1 << kNvfp4Shift);
+  } else if (fmt == 1) {
+    mxfp4_group8(word(codes_row + 4 * g), ue8m0_factor(scales_row[g / 4], kE2M1PatternBias), o);
+  } else {
+    fp8_group8(word(codes_row + 8 * g), word(codes_row + 8 * g + 4),
+               ue8m0_factor(scales_row[g / 4], kE4M3PatternBias), o);
+  }
+  for (int p = 0; p < 8; ++p) {
+    const uint16_t h = static_cast<uint16_t>(o[p >> 1] >> (16 * (p & 1)));
+    y[perm8_dim(p)] = bf16_to_float(h) * mult;
+  }
+}
+
+}  // namespace dq
+}  // namespace dsv41

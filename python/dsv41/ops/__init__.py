@@ -10,5 +10,6 @@ import torch
 
 from .. import _C  # noqa: F401  (registers torch.ops.dsv41.*)
 from . import _fake  # noqa: F401
+from . import cache_ops  # noqa: F401  (cache writes, block copies: kernels in csrc/)
 
 ops = torch.ops.dsv41
