@@ -1,7 +1,8 @@
 // Merges the key splits of the tensor-core attention kernel: per (query, head),
 // lse = log(sum_s exp(lse_s)), out = sum_s exp(lse_s - lse) * o_s, then the sink factor
 // sigmoid(lse - sink[h]). Splits without a valid key have lse_s = -inf and weight 0; a
-// query with none at all gets out = 0 and lse = -inf. A NaN lse_s makes the result NaN.
+// query with none at all gets out = 0 and lse = -inf. A NaN lse_s (a NaN key) gives
+// out = NaN and lse = -inf, as the reference does.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -31,7 +32,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   float lse, factor;
   if (nan) {
-    lse = NAN;
+    lse = -INFINITY;
     factor = NAN;
   } else if (m == -INFINITY) {
     lse = -INFINITY;
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (factor != 0.f) {
     for (int s = 0; s < S; ++s) {
       const float ls = lse_s[static_cast<int64_t>(s) * p.H];
-      const float w = nan ? NAN : expf(ls - lse) * factor;
+      const float w = expf(ls - lse) * factor;
       if (w == 0.f) continue;  // -inf split (its partial is zeros anyway)
       const float4 v = reinterpret_cast<const float4*>(
           a.ws_o + ((static_cast<int64_t>(t) * S + s) * p.H + h) * kHeadDim)[d4];

@@ -3,7 +3,7 @@
 // number of keys, sm_70+. Used for shapes the tensor-core kernel does not take (small test
 // models), when asked for (DSV41_ATTENTION_IMPL=generic) and as a cross-check on the GPU.
 // Same conventions as the reference: out = softmax(scores) V * sigmoid(lse - sink),
-// out = 0 and lse = -inf without a valid key.
+// out = 0 and lse = -inf without a valid key, out = NaN and lse = -inf with a NaN key.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -79,6 +79,9 @@ __global__ void __launch_bounds__(kGenericThreads)
   if (l == 0.f) {
     lse = -INFINITY;
     scale = 0.f;
+  } else if (l != l) {  // a NaN key: out = NaN, lse = -inf (as the reference)
+    lse = -INFINITY;
+    scale = NAN;
   } else {
     lse = m + logf(l);
     scale = (1.f / l) / (1.f + expf(p.sink[h] - lse));

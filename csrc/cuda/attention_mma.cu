@@ -420,6 +420,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lt == 0.f) {  // no valid key (m is -inf): out = 0, lse = -inf
         lse = -INFINITY;
         scale = 0.f;
+      } else if (lt != lt) {  // a NaN key (poisoned block): out = NaN and, as the
+        lse = kSplit ? NAN : -INFINITY;  // reference has it, lse = -inf (the combine step
+        scale = NAN;                     // needs to see the NaN, so partials keep it)
       } else {
         lse = (m_run[rr] + log2f(lt)) * kLn2;
         scale = 1.f / lt;
