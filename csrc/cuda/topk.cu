@@ -262,9 +262,18 @@ int topk(const TopkParams& p, void* stream) {
                       (a.cached ? static_cast<size_t>(std::max<int64_t>(per_max, 1)) * sizeof(uint32_t) : 0);
   const int64_t blocks = static_cast<int64_t>(p.T) * C;
   if (blocks > 0x7FFFFFFFLL) return launch_fail("topk: too many rows");
-  cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(&topk_kernel),
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (e != cudaSuccess) return static_cast<int>(e);
+  // The limit is set once per device to the largest size any call can ask for (also keeps
+  // the call free of attribute changes under CUDA-graph capture after the first use).
+  static bool attr_set[64] = {};
+  cudaError_t e = cudaSuccess;
+  if (dev >= 64 || !attr_set[dev]) {
+    const int max_smem = static_cast<int>((2 * kBins + 32) * sizeof(uint32_t) + kMiscInts / 2 * sizeof(int64_t) +
+                                          kCacheCap * sizeof(uint32_t));
+    e = cudaFuncSetAttribute(reinterpret_cast<const void*>(&topk_kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             max_smem);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    if (dev < 64) attr_set[dev] = true;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
   cfg.blockDim = dim3(kThreads);
