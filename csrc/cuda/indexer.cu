@@ -41,12 +41,6 @@ struct Args {
   int tokens_per_cta;
 };
 
-// Pair q (elements q, q+4) of 8 E2M1 codes as a bf16x2 pattern (value * 2^-126).
-__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w, int q) {
-  const uint32_t x = w >> (4 * q);
-  return ((x << 6) & 0x01C001C0u) | ((x << 12) & 0x80008000u);
-}
-
 __global__ void __launch_bounds__(kThreads)
     indexer_mma_kernel(const __grid_constant__ Args a) {
   const IndexerParams& p = a.p;
@@ -110,7 +104,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int blk = 0; blk < 4; ++blk) {  // 32-value block = groups 4*blk .. 4*blk+3
       const dq::Pow2Factor f = dq::ue8m0_factor(static_cast<uint8_t>(sc >> (8 * blk)), dq::kE2M1PatternBias);
 #pragma unroll
-      for (int x = 0; x < 4; ++x) bk[j][4 * blk + x] = dq::apply_factor(e2m1_pair(words[4 * blk + x], q), f);
+      for (int x = 0; x < 4; ++x) bk[j][4 * blk + x] = dq::apply_factor(dq::e2m1_pair_pattern(words[4 * blk + x], q), f);
     }
   }
   __syncthreads();

@@ -108,13 +108,18 @@ DSV41_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
 
 // ---- E2M1 ------------------------------------------------------------------------------
 
-// 8 E2M1 codes (element i in nibble i of w) -> 4 bf16x2 patterns of the pairs (i, i+4),
-// each half equal to e2m1(code) * 2^-126 (sign bit 3 -> 15, magnitude bits 0..2 -> 6..8).
+// Pair i (0..3) of 8 E2M1 codes (element i in nibble i of w): elements (i, i+4) as a
+// bf16x2 pattern, each half e2m1(code) * 2^-126 (sign bit 3 -> 15, magnitude bits 0..2 ->
+// 6..8). Nibbles i and i+4 are 16 bits apart, so one shift serves both halves.
+DSV41_HD uint32_t e2m1_pair_pattern(uint32_t w, int i) {
+  const uint32_t x = w >> (4 * i);
+  return ((x << 6) & 0x01C001C0u) | ((x << 12) & 0x80008000u);
+}
+
+// All four pairs (with a constant i the shifts fold into two per pair).
 DSV41_HD void e2m1x8_patterns(uint32_t w, uint32_t out[4]) {
-  out[0] = ((w << 6) & 0x01C001C0u) | ((w << 12) & 0x80008000u);
-  out[1] = ((w << 2) & 0x01C001C0u) | ((w << 8) & 0x80008000u);
-  out[2] = ((w >> 2) & 0x01C001C0u) | ((w << 4) & 0x80008000u);
-  out[3] = ((w >> 6) & 0x01C001C0u) | (w & 0x80008000u);
+  DSV41_UNROLL
+  for (int i = 0; i < 4; ++i) out[i] = e2m1_pair_pattern(w, i);
 }
 
 // bf16x2 factor of an NVFP4 block: e4m3(scale) * 2^118, so pattern * factor =
