@@ -348,8 +348,16 @@ DSV41_SCATTER_OP(mxfp4, kMxfp4)
 DSV41_SCATTER_OP(fp8_swa, kFp8Swa)
 #undef DSV41_SCATTER_OP
 
-void copy_blocks(const at::Tensor& src, const at::Tensor& src_idx_in, at::Tensor dst, const at::Tensor& dst_idx_in) {
+// engine: "kernel" (one SM kernel for all pairs), "copy_engine" (cudaMemcpyBatchAsync of
+// the merged runs; needs CPU indices) or "auto" (the copy engines for blocks of 1 MiB and
+// more when the indices are on the CPU, the kernel otherwise). Which is faster for which
+// block size has not been measured yet: bench/bench_copy.py times both.
+void copy_blocks(const at::Tensor& src, const at::Tensor& src_idx_in, at::Tensor dst, const at::Tensor& dst_idx_in,
+                 c10::string_view engine_in) {
   const char* op = "copy_blocks";
+  const std::string engine(engine_in.data(), engine_in.size());
+  TORCH_CHECK(engine == "auto" || engine == "kernel" || engine == "copy_engine", op,
+              ": engine must be 'auto', 'kernel' or 'copy_engine', got '", engine, "'");
   TORCH_CHECK(src.dim() == 2 && dst.dim() == 2, op, ": src and dst must be 2-D pools [n_blocks, block]");
   TORCH_CHECK(src.scalar_type() == dst.scalar_type(), op, ": src and dst dtypes differ");
   TORCH_CHECK(src.size(1) == dst.size(1), op, ": block sizes differ (", src.size(1), " vs ", dst.size(1), ")");
@@ -372,6 +380,16 @@ void copy_blocks(const at::Tensor& src, const at::Tensor& src_idx_in, at::Tensor
     TORCH_CHECK(t->is_cuda() ? t->device() == gpu.device() : t->is_pinned(), op,
                 ": each pool must be on ", gpu.device(), " or in pinned host memory (pin_memory())");
   c10::cuda::CUDAGuard guard(gpu.device());
+  const bool host_idx = src_idx_in.is_cpu() && dst_idx_in.is_cpu();
+  TORCH_CHECK(engine != "copy_engine" || host_idx, op, ": engine='copy_engine' needs the indices on the CPU");
+  if (engine == "copy_engine" || (engine == "auto" && host_idx && block_bytes >= (int64_t{1} << 20))) {
+    const at::Tensor si = index_as_long(src_idx_in, src_idx_in.device(), op, "src_idx");
+    const at::Tensor di = index_as_long(dst_idx_in, dst_idx_in.device(), op, "dst_idx");
+    check_launch(cuda::copy_blocks_engine(bytes(src), si.const_data_ptr<int64_t>(), mbytes(dst),
+                                          di.const_data_ptr<int64_t>(), n, block_bytes, current_stream()),
+                 op);
+    return;
+  }
   at::Tensor si = index_as_long(src_idx_in, gpu.device(), op, "src_idx");
   at::Tensor di = index_as_long(dst_idx_in, gpu.device(), op, "dst_idx");
   if (!src_idx_in.is_cpu() || !dst_idx_in.is_cpu()) {
@@ -419,7 +437,7 @@ at::Tensor dequant_tricks(const at::Tensor& codes_in, const at::Tensor& scales_i
 }  // namespace dsv41
 
 TORCH_LIBRARY_FRAGMENT(dsv41, m) {
-  m.def("copy_blocks(Tensor src, Tensor src_idx, Tensor(a!) dst, Tensor dst_idx) -> ()");
+  m.def("copy_blocks(Tensor src, Tensor src_idx, Tensor(a!) dst, Tensor dst_idx, str engine=\"auto\") -> ()");
   m.def("quantize_nvfp4_scatter(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor rows) -> ()");
   m.def("quantize_mxfp4_scatter(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor rows) -> ()");
   m.def("quantize_fp8_swa_scatter(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor rows) -> ()");

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "dsv41/kernels.h"
 
@@ -99,6 +100,39 @@ int copy_blocks(const uint8_t* src, const int64_t* src_idx, uint8_t* dst, const 
   if (align % 16 == 0) return launch<uint4>(sp, src_idx, dp, dst_idx, n, block_bytes, st);
   if (align % 4 == 0) return launch<uint32_t>(sp, src_idx, dp, dst_idx, n, block_bytes, st);
   return launch<uint8_t>(sp, src_idx, dp, dst_idx, n, block_bytes, st);
+}
+
+int copy_blocks_engine(const uint8_t* src, const int64_t* src_idx, uint8_t* dst, const int64_t* dst_idx,
+                       int64_t n, int64_t block_bytes, void* stream) {
+  clear_launch_error();
+  if (n < 0 || block_bytes < 0) return launch_fail("copy_blocks: negative size");
+  if (n == 0 || block_bytes == 0) return 0;
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  for (int64_t i = 0; i < n;) {
+    int64_t j = i + 1;
+    while (j < n && src_idx[j] == src_idx[j - 1] + 1 && dst_idx[j] == dst_idx[j - 1] + 1) ++j;
+    dsts.push_back(dst + dst_idx[i] * block_bytes);
+    srcs.push_back(src + src_idx[i] * block_bytes);
+    sizes.push_back(static_cast<size_t>((j - i) * block_bytes));
+    i = j;
+  }
+  auto st = static_cast<cudaStream_t>(stream);
+  if (st != nullptr && st != cudaStreamLegacy) {
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attr_idx = 0;
+    const cudaError_t e = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attr,
+                                               &attr_idx, 1, st);
+    if (e == cudaSuccess) return 0;
+    cudaGetLastError();  // fall back to one copy per run
+  }
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const cudaError_t e = cudaMemcpyAsync(dsts[k], srcs[k], sizes[k], cudaMemcpyDefault, st);
+    if (e != cudaSuccess) return static_cast<int>(e);
+  }
+  return 0;
 }
 
 }  // namespace cuda

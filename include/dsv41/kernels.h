@@ -118,6 +118,13 @@ int quantize_scatter(KvFormat f, const float* x, int64_t n, int64_t D, const int
 int copy_blocks(const uint8_t* src, const int64_t* src_idx, uint8_t* dst, const int64_t* dst_idx,
                 int64_t n, int64_t block_bytes, void* stream);
 
+// The same copies on the copy engines: consecutive pairs that are contiguous on both sides
+// are merged into one copy, and the copies go out in one cudaMemcpyBatchAsync (one
+// cudaMemcpyAsync each on the legacy default stream, which the batch API refuses).
+// src_idx/dst_idx are host arrays (validated by the caller).
+int copy_blocks_engine(const uint8_t* src, const int64_t* src_idx, uint8_t* dst, const int64_t* dst_idx,
+                       int64_t n, int64_t block_bytes, void* stream);
+
 // Device twin of cpu::dequant_tricks (runs the same header functions on the GPU).
 int dequant_tricks(KvFormat f, const uint8_t* codes, const uint8_t* scales, int64_t n, int64_t D,
                    float* y, void* stream);

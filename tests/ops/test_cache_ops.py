@@ -81,32 +81,38 @@ def test_copy_blocks_cpu(gen):
         cache_ops.copy_blocks(src, [10], dst, [0])
     with pytest.raises(RuntimeError, match="block sizes differ"):
         cache_ops.copy_blocks(src, [0], torch.zeros(2, 8, dtype=torch.uint8), [0])
+    with pytest.raises(RuntimeError, match="engine"):
+        cache_ops.copy_blocks(src, [0], dst, [0], "dma")
     cache_ops.copy_blocks(src, [], dst, [])  # no pairs: nothing happens
 
 
 @requires_cuda
+@pytest.mark.parametrize("engine", ["kernel", "copy_engine", "auto"])
 @pytest.mark.parametrize("block", [4104, 57344, 100, 7])  # 16-byte, 4-byte and byte paths
-def test_copy_blocks_cuda_bit_exact(block, gen):
+def test_copy_blocks_cuda_bit_exact(block, engine, gen):
     n_dev, n_host = 40, 30
     dev = torch.randint(0, 256, (n_dev, block), generator=gen, dtype=torch.int64).to(torch.uint8).cuda()
     host = torch.randint(0, 256, (n_host, block), generator=gen, dtype=torch.int64).to(torch.uint8).pin_memory()
     dev0, host0 = dev.clone(), host.clone()
     # device -> pinned host
-    cache_ops.copy_blocks(dev, [0, 17, 39, 5], host, [29, 0, 3, 4])
+    cache_ops.copy_blocks(dev, [0, 17, 39, 5, 6], host, [29, 0, 3, 4, 5], engine)  # 5, 6 -> 4, 5: one run
     torch.cuda.synchronize()
     want = host0.clone()
-    want[[29, 0, 3, 4]] = dev0.cpu()[[0, 17, 39, 5]]
+    want[[29, 0, 3, 4, 5]] = dev0.cpu()[[0, 17, 39, 5, 6]]
     assert torch.equal(host, want)
     # pinned host -> device
-    cache_ops.copy_blocks(host0, [1, 2, 28], dev, [38, 0, 7])
+    cache_ops.copy_blocks(host0, [1, 2, 28], dev, [38, 0, 7], engine)
     torch.cuda.synchronize()
     want_d = dev0.cpu().clone()
     want_d[[38, 0, 7]] = host0[[1, 2, 28]]
     assert torch.equal(dev.cpu(), want_d)
     # device -> device, indices on the device
     other = torch.zeros_like(dev)
-    cache_ops.copy_blocks(dev, torch.tensor([3, 4]).cuda(), other, torch.tensor([1, 0]).cuda())
-    assert torch.equal(other[1], dev[3]) and torch.equal(other[0], dev[4])
+    if engine != "copy_engine":  # device indices: the kernel only
+        cache_ops.copy_blocks(dev, torch.tensor([3, 4]).cuda(), other, torch.tensor([1, 0]).cuda(), engine)
+        assert torch.equal(other[1], dev[3]) and torch.equal(other[0], dev[4])
+    cache_ops.copy_blocks(dev, [8, 9], other, [10, 11], engine)
+    assert torch.equal(other[10:12], dev[8:10])
 
 
 @requires_cuda

@@ -28,10 +28,14 @@ def quantize_scatter(fmt: str, x: torch.Tensor, codes: torch.Tensor, scales: tor
     getattr(torch.ops.dsv41, f"quantize_{fmt}_scatter")(x, codes, scales, rows)
 
 
-def copy_blocks(src: torch.Tensor, src_idx, dst: torch.Tensor, dst_idx) -> None:
+def copy_blocks(src: torch.Tensor, src_idx, dst: torch.Tensor, dst_idx, engine: str = "auto") -> None:
+    """engine: "kernel" (one SM kernel moves every pair), "copy_engine" (the pairs, merged
+    into contiguous runs, go to the DMA engines in one cudaMemcpyBatchAsync; CPU indices
+    only) or "auto" (copy engines for blocks >= 1 MiB with CPU indices, else the kernel).
+    On the CPU it is a memcpy loop whatever the engine."""
     src_idx = torch.as_tensor(src_idx, dtype=torch.int64)
     dst_idx = torch.as_tensor(dst_idx, dtype=torch.int64)
-    torch.ops.dsv41.copy_blocks(src, src_idx, dst, dst_idx)
+    torch.ops.dsv41.copy_blocks(src, src_idx, dst, dst_idx, engine)
 
 
 def dequant_tricks(fmt: str, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -45,7 +49,7 @@ def _register_fakes() -> None:
     for fmt in FORMATS:
         torch.library.register_fake(f"dsv41::quantize_{fmt}_scatter")(
             lambda x, codes, scales, rows: None)
-    torch.library.register_fake("dsv41::copy_blocks")(lambda src, src_idx, dst, dst_idx: None)
+    torch.library.register_fake("dsv41::copy_blocks")(lambda src, src_idx, dst, dst_idx, engine="auto": None)
 
     @torch.library.register_fake("dsv41::_dequant_tricks")
     def _(codes, scales, fmt):
