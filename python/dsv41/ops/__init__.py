@@ -11,5 +11,6 @@ import torch
 from .. import _C  # noqa: F401  (registers torch.ops.dsv41.*)
 from . import _fake  # noqa: F401
 from . import cache_ops  # noqa: F401  (cache writes, block copies: kernels in csrc/)
+from . import _kernel_schemas  # noqa: F401  (after the model's ops: defines only what is missing)
 
 ops = torch.ops.dsv41
