@@ -52,22 +52,25 @@ def _dequant_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class _Rows:
-    """Rows of a quantized pool, dequantized all at once or on gather (same values)."""
+    """Rows of a quantized pool as float64, dequantized all at once (when the gathers
+    outnumber the rows) or on gather; both give the same values."""
 
     def __init__(self, dequant, codes, scales, gathers: int):
         self.dequant, self.codes, self.scales = dequant, codes, scales
-        self.full = dequant(codes, scales) if gathers >= codes.shape[0] else None
+        self.full = (dequant(codes, scales).double()
+                     if 0 < codes.shape[0] <= gathers else None)
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
-        """float32 rows at idx (any shape; -1 gives row 0, the caller masks it)."""
+        """float64 rows at idx (any shape; -1 gives row 0, the caller masks it)."""
         flat = idx.reshape(-1).long().clamp(min=0)
         if self.codes.shape[0] == 0:
             d = self.codes.shape[1] * (2 if self.codes.dtype == torch.uint8 else 1)
-            return torch.zeros(*idx.shape, d, dtype=torch.float32, device=idx.device)
+            return torch.zeros(*idx.shape, d, dtype=torch.float64, device=idx.device)
         if self.full is not None:
             rows = self.full.index_select(0, flat)
         else:
-            rows = self.dequant(self.codes.index_select(0, flat), self.scales.index_select(0, flat))
+            rows = self.dequant(self.codes.index_select(0, flat),
+                                self.scales.index_select(0, flat)).double()
         return rows.reshape(*idx.shape, rows.shape[-1])
 
 
@@ -116,7 +119,7 @@ def sparse_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv
     step = _query_block((W + K) * (D + H))
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        keys = torch.cat((swa.gather(swa_idx[t0:t1]), kv.gather(kv_idx[t0:t1])), 1).double()
+        keys = torch.cat((swa.gather(swa_idx[t0:t1]), kv.gather(kv_idx[t0:t1])), 1)
         valid = torch.cat((swa_idx[t0:t1] >= 0, kv_idx[t0:t1] >= 0), 1)
         scores = torch.bmm(q[t0:t1].double(), keys.transpose(1, 2)) * softmax_scale
         o, l = _softmax_out(scores, valid, keys)
@@ -144,7 +147,7 @@ def dense_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         q64 = q[t0:t1].double()
-        k_swa = swa.gather(swa_idx[t0:t1]).double()
+        k_swa = swa.gather(swa_idx[t0:t1])
         s_swa = torch.bmm(q64, k_swa.transpose(1, 2)) * softmax_scale
         s_kv = torch.matmul(q64, kv.T) * softmax_scale
         scores = torch.cat((s_swa, s_kv), -1)
@@ -204,7 +207,7 @@ def indexer_scores_at(q_codes, q_scales, weights, k_codes, k_scales, idx):
     step = _query_block(C * (Di + Hi))
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        k = keys.gather(idx[t0:t1]).double()  # [t,C,Di]
+        k = keys.gather(idx[t0:t1])  # [t,C,Di] f64
         dots = torch.bmm(queries[t0:t1].double(), k.transpose(1, 2))  # [t,Hi,C]
         s = _weighted_relu_sum(dots, weights[t0:t1].double()).float()
         scores[t0:t1] = s.masked_fill(idx[t0:t1] < 0, -math.inf)
