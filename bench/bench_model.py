@@ -36,21 +36,26 @@ def _run(model: Model, ids: torch.Tensor, decode_steps: int) -> dict:
     average before and after tells how busy the machine was."""
     load_before = os.getloadavg()[0]
     state = model.new_state()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     logits = model.prefill(ids, state)
-    prefill_s = time.perf_counter() - t0
-    steps = []
+    prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    steps, cpu_steps = [], []
     for _ in range(decode_steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits = model.decode_step(int(logits.argmax()), state)
         steps.append(time.perf_counter() - t0)
+        cpu_steps.append(time.process_time() - c0)
     median = statistics.median(steps) if steps else None
     return {
         "prefill_s": prefill_s,
         "prefill_tokens_per_s": ids.shape[0] / prefill_s,
+        # CPU seconds of this process (all threads): far less sensitive than wall time to
+        # other tenants of a shared machine.
+        "prefill_cpu_s": prefill_cpu_s,
         "decode_steps": decode_steps,
         "decode_s": sum(steps),
         "decode_step_median_s": median,
+        "decode_step_median_cpu_s": statistics.median(cpu_steps) if cpu_steps else None,
         "decode_tokens_per_s": 1.0 / median if median else None,
         "global_kv_bytes": state.nbytes()["global"],
         "finite": bool(torch.isfinite(logits).all()),
@@ -62,9 +67,12 @@ def _run(model: Model, ids: torch.Tensor, decode_steps: int) -> dict:
 def _growth(results: list[dict], mode: str) -> list[dict]:
     out = []
     for a, b in zip(results, results[1:]):
+        span = math.log(b["length"] / a["length"])
         ratio = b[mode]["prefill_s"] / a[mode]["prefill_s"]
+        cpu = b[mode]["prefill_cpu_s"] / a[mode]["prefill_cpu_s"]
         out.append({"from": a["length"], "to": b["length"], "time_ratio": ratio,
-                    "exponent": math.log(ratio) / math.log(b["length"] / a["length"])})
+                    "exponent": math.log(ratio) / span, "cpu_time_ratio": cpu,
+                    "cpu_exponent": math.log(cpu) / span})
     return out
 
 
@@ -100,23 +108,28 @@ def main(argv=None) -> int:
             r = _run(model, ids, args.decode_steps)
             row[mode] = r
             print(f"  {n:>6} {mode:<6} prefill {r['prefill_s']:8.2f} s "
+                  f"(cpu {r['prefill_cpu_s']:8.2f} s) "
                   f"{r['prefill_tokens_per_s']:8.1f} tok/s   decode "
                   f"{r['decode_tokens_per_s'] or 0:6.2f} tok/s (median step)   load "
                   f"{r['loadavg_before']:.1f}->{r['loadavg_after']:.1f}", flush=True)
         model.dense_attention = False
         if "sparse" in row and "dense" in row:
             row["prefill_speedup"] = row["dense"]["prefill_s"] / row["sparse"]["prefill_s"]
+            row["prefill_cpu_speedup"] = (row["dense"]["prefill_cpu_s"]
+                                          / row["sparse"]["prefill_cpu_s"])
             if args.decode_steps:
                 row["decode_speedup"] = (row["dense"]["decode_step_median_s"]
                                          / row["sparse"]["decode_step_median_s"])
-            print(f"  {n:>6} sparse vs dense: prefill {row['prefill_speedup']:.2f}x, decode "
+            print(f"  {n:>6} sparse vs dense: prefill {row['prefill_speedup']:.2f}x "
+                  f"(cpu time {row['prefill_cpu_speedup']:.2f}x), decode "
                   f"{row.get('decode_speedup', float('nan')):.2f}x", flush=True)
         results.append(row)
     growth = {mode: _growth(results, mode) for mode in args.modes}
     for mode, steps in growth.items():
         for g in steps:
             print(f"  {mode:<6} prefill time {g['from']} -> {g['to']}: x{g['time_ratio']:.2f} "
-                  f"(~ length^{g['exponent']:.2f})")
+                  f"(~ length^{g['exponent']:.2f}); cpu time x{g['cpu_time_ratio']:.2f} "
+                  f"(~ length^{g['cpu_exponent']:.2f})")
     report = {
         "benchmark": "bench_model",
         "preset": config.name,
