@@ -1,0 +1,305 @@
+// Python face of the I/O engine (dsv41._C.io): buffers come in through the buffer protocol
+// (numpy arrays, AlignedBuffer) or as torch tensors for the device paths. The GIL is
+// released around every blocking call, so several Python threads can have I/O in flight.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>  // the at::Tensor <-> torch.Tensor caster
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bindings.h"
+#include "dsv41/crc32c.h"
+#include "dsv41/io.h"
+
+#ifdef DSV41_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace py = pybind11;
+
+namespace dsv41 {
+namespace {
+
+using io::AlignedBuffer;
+using io::IoEngine;
+using io::IoOp;
+
+// A contiguous byte view of a Python buffer, kept exported while the GIL is released.
+struct ByteView {
+  py::buffer_info info;
+  uint8_t* ptr = nullptr;
+  size_t size = 0;
+};
+
+ByteView byte_view(const py::buffer& b, bool writable) {
+  ByteView v{b.request(writable)};
+  if (v.info.ndim > 0) {
+    // Accept any C-contiguous buffer: strides must be the packed ones.
+    py::ssize_t expect = v.info.itemsize;
+    for (py::ssize_t d = v.info.ndim - 1; d >= 0; --d) {
+      if (v.info.shape[d] > 1 && v.info.strides[d] != expect)
+        throw std::invalid_argument("buffer must be C-contiguous");
+      expect *= v.info.shape[d];
+    }
+  }
+  v.ptr = static_cast<uint8_t*>(v.info.ptr);
+  v.size = static_cast<size_t>(v.info.size * v.info.itemsize);
+  return v;
+}
+
+// ops: [(fd, file_offset, length, buffer, buffer_offset)] -> [(bytes_done, errno)]
+std::vector<std::tuple<uint64_t, int>> run_ops(IoEngine& eng, const py::list& ops, bool write) {
+  std::vector<ByteView> views;
+  std::vector<IoOp> batch;
+  views.reserve(ops.size());
+  batch.reserve(ops.size());
+  for (const auto& item : ops) {
+    auto t = item.cast<py::tuple>();
+    if (t.size() != 5) throw std::invalid_argument("each op is (fd, offset, length, buffer, buffer_offset)");
+    IoOp op;
+    op.fd = t[0].cast<int>();
+    op.offset = t[1].cast<uint64_t>();
+    op.length = t[2].cast<uint64_t>();
+    views.push_back(byte_view(t[3].cast<py::buffer>(), !write));
+    const uint64_t boff = t[4].cast<uint64_t>();
+    if (boff > views.back().size || op.length > views.back().size - boff)
+      throw std::invalid_argument("op of " + std::to_string(op.length) + " bytes at buffer offset " +
+                                  std::to_string(boff) + " overruns a buffer of " +
+                                  std::to_string(views.back().size) + " bytes");
+    op.buf = views.back().ptr + boff;
+    batch.push_back(op);
+  }
+  {
+    py::gil_scoped_release nogil;
+    eng.run(batch.data(), batch.size(), write);
+  }
+  std::vector<std::tuple<uint64_t, int>> out;
+  out.reserve(batch.size());
+  for (const auto& op : batch) out.emplace_back(op.done, op.err);
+  return out;
+}
+
+void check_blocks(const at::Tensor& t, const char* name) {
+  if (t.scalar_type() != at::kByte || t.dim() != 2 || !t.is_contiguous())
+    throw std::invalid_argument(std::string(name) + " must be a contiguous uint8 tensor [blocks, block_bytes]");
+}
+
+std::vector<int64_t> checked_indices(const std::vector<int64_t>& idx, int64_t rows, const char* name) {
+  for (int64_t i : idx)
+    if (i < 0 || i >= rows)
+      throw std::out_of_range(std::string(name) + " index " + std::to_string(i) + " outside [0, " +
+                              std::to_string(rows) + ")");
+  return idx;
+}
+
+// dst[dst_idx[i]] = src[src_idx[i]] for uint8 [blocks, block_bytes] tensors; CUDA copies
+// (any mix of host and device) are enqueued on the current stream of the device involved.
+void copy_blocks(IoEngine& eng, at::Tensor dst, const std::vector<int64_t>& dst_idx,
+                 const at::Tensor& src, const std::vector<int64_t>& src_idx) {
+  check_blocks(dst, "dst");
+  check_blocks(src, "src");
+  if (dst.size(1) != src.size(1))
+    throw std::invalid_argument("dst and src block sizes differ: " + std::to_string(dst.size(1)) +
+                                " vs " + std::to_string(src.size(1)));
+  if (dst_idx.size() != src_idx.size()) throw std::invalid_argument("dst_idx and src_idx differ in length");
+  auto d = checked_indices(dst_idx, dst.size(0), "dst");
+  auto s = checked_indices(src_idx, src.size(0), "src");
+  const uint64_t bb = static_cast<uint64_t>(dst.size(1));
+  auto* dp = static_cast<uint8_t*>(dst.data_ptr());
+  const auto* sp = static_cast<const uint8_t*>(src.data_ptr());
+  if (dst.is_cuda() || src.is_cuda()) {
+#ifdef DSV41_WITH_CUDA
+    const auto& dev_t = dst.is_cuda() ? dst : src;
+    c10::cuda::CUDAGuard guard(dev_t.device());
+    void* stream = c10::cuda::getCurrentCUDAStream(dev_t.device().index()).stream();
+    int err;
+    {
+      py::gil_scoped_release nogil;
+      err = io::cuda_copy_blocks(dp, d.data(), sp, s.data(), d.size(), bb, stream);
+    }
+    if (err) throw std::runtime_error("cuda_copy_blocks failed with CUDA error " + std::to_string(err));
+    return;
+#else
+    throw std::runtime_error("dsv41 was built without CUDA");
+#endif
+  }
+  py::gil_scoped_release nogil;
+  eng.copy_blocks(dp, d.data(), sp, s.data(), d.size(), bb);
+}
+
+py::dict counters_dict(const io::IoCounters& c) {
+  py::dict d;
+  d["bytes_read"] = c.bytes_read;
+  d["bytes_written"] = c.bytes_written;
+  d["read_ops"] = c.read_ops;
+  d["write_ops"] = c.write_ops;
+  d["direct_ops"] = c.direct_ops;
+  d["buffered_ops"] = c.buffered_ops;
+  d["direct_fallbacks"] = c.direct_fallbacks;
+  d["errors"] = c.errors;
+  return d;
+}
+
+#ifdef DSV41_WITH_CUDA
+// CRC-32C of byte ranges of a CUDA uint8 tensor, computed on the device.
+at::Tensor crc32c_device(const at::Tensor& data, const at::Tensor& offsets, const at::Tensor& lengths) {
+  if (!data.is_cuda() || data.scalar_type() != at::kByte || !data.is_contiguous())
+    throw std::invalid_argument("data must be a contiguous CUDA uint8 tensor");
+  if (offsets.scalar_type() != at::kLong || lengths.scalar_type() != at::kLong ||
+      offsets.numel() != lengths.numel() || offsets.device() != data.device() ||
+      lengths.device() != data.device() || !offsets.is_contiguous() || !lengths.is_contiguous())
+    throw std::invalid_argument("offsets and lengths must be contiguous int64 tensors of one length on data's device");
+  c10::cuda::CUDAGuard guard(data.device());
+  auto crcs = at::empty({offsets.numel()}, data.options().dtype(at::kInt));
+  const int err = io::cuda_crc32c_ranges(
+      static_cast<const uint8_t*>(data.data_ptr()), reinterpret_cast<const uint64_t*>(offsets.data_ptr()),
+      reinterpret_cast<const uint64_t*>(lengths.data_ptr()), reinterpret_cast<uint32_t*>(crcs.data_ptr()),
+      static_cast<size_t>(offsets.numel()), c10::cuda::getCurrentCUDAStream(data.device().index()).stream());
+  if (err) throw std::runtime_error("crc32c kernel launch failed with CUDA error " + std::to_string(err));
+  return crcs;
+}
+#endif
+
+}  // namespace
+
+void bind_io(py::module_& parent) {
+  py::module_ m = parent.def_submodule("io", "dsv41's I/O engine (csrc/io)");
+  m.attr("ALIGN") = io::kAlign;
+  m.attr("FAULT_REFUSE_DIRECT_OPEN") = static_cast<uint32_t>(io::kFaultRefuseDirectOpen);
+  m.attr("FAULT_REFUSE_DIRECT_IO") = static_cast<uint32_t>(io::kFaultRefuseDirectIo);
+  m.attr("FAULT_NO_SPACE") = static_cast<uint32_t>(io::kFaultNoSpace);
+
+  py::class_<AlignedBuffer, std::shared_ptr<AlignedBuffer>>(m, "AlignedBuffer", py::buffer_protocol(),
+                                                            "A zeroed 4 KiB-aligned host buffer.")
+      .def(py::init([](size_t size, bool pin) {
+             auto b = std::make_shared<AlignedBuffer>(size);
+             if (pin) b->pin_host();
+             return b;
+           }),
+           py::arg("size"), py::arg("pin") = false)
+      .def_property_readonly("size", &AlignedBuffer::size)
+      .def_property_readonly("pinned", &AlignedBuffer::pinned)
+      .def_property_readonly("address", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def("__len__", &AlignedBuffer::size)
+      .def_buffer([](AlignedBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.size())}, {static_cast<py::ssize_t>(1)});
+      });
+
+  py::class_<IoEngine, std::shared_ptr<IoEngine>>(m, "IoEngine")
+      .def(py::init<int, uint64_t>(), py::arg("threads"), py::arg("chunk_bytes") = uint64_t(4) << 20)
+      .def_property_readonly("threads", &IoEngine::threads)
+      .def("open",
+           [](IoEngine& e, const std::string& path, int flags, int mode, bool direct) {
+             bool is_direct = false;
+             int fd;
+             {
+               py::gil_scoped_release nogil;
+               fd = e.open(path, flags, mode, direct, &is_direct);
+             }
+             return std::make_tuple(fd, is_direct);
+           },
+           py::arg("path"), py::arg("flags"), py::arg("mode") = 0644, py::arg("direct") = true,
+           "(fd, is_direct); fd is -errno on failure")
+      .def("pread", [](IoEngine& e, const py::list& ops) { return run_ops(e, ops, false); },
+           "ops: [(fd, offset, length, buffer, buffer_offset)] -> [(bytes_read, errno)]")
+      .def("pwrite", [](IoEngine& e, const py::list& ops) { return run_ops(e, ops, true); },
+           "ops: [(fd, offset, length, buffer, buffer_offset)] -> [(bytes_written, errno)]")
+      .def("crc32c_many",
+           [](IoEngine& e, const py::buffer& b, const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+             ByteView v = byte_view(b, false);
+             std::vector<const uint8_t*> ptrs;
+             std::vector<uint64_t> lens;
+             for (const auto& [off, len] : ranges) {
+               if (off > v.size || len > v.size - off) throw std::invalid_argument("crc range overruns the buffer");
+               ptrs.push_back(v.ptr + off);
+               lens.push_back(len);
+             }
+             std::vector<uint32_t> crcs(ranges.size());
+             {
+               py::gil_scoped_release nogil;
+               e.crc32c_many(ptrs.data(), lens.data(), crcs.data(), crcs.size());
+             }
+             return crcs;
+           })
+      .def("copy_blocks", &copy_blocks, py::arg("dst"), py::arg("dst_idx"), py::arg("src"), py::arg("src_idx"))
+      .def("fsync",
+           [](IoEngine& e, int fd) {
+             py::gil_scoped_release nogil;
+             return e.fsync(fd);
+           })
+      .def("set_faults", &IoEngine::set_faults, py::arg("faults"), py::arg("nospace_after") = 0)
+      .def("counters", [](const IoEngine& e) { return counters_dict(e.counters()); });
+
+  m.def("crc32c",
+        [](const py::buffer& b, uint32_t crc) {
+          ByteView v = byte_view(b, false);
+          py::gil_scoped_release nogil;
+          return dsv41::crc32c(crc, v.ptr, v.size);
+        },
+        py::arg("data"), py::arg("crc") = 0);
+  m.def("crc32c_sw",
+        [](const py::buffer& b, uint32_t crc) {
+          ByteView v = byte_view(b, false);
+          return dsv41::crc32c_sw(crc, v.ptr, v.size);
+        },
+        py::arg("data"), py::arg("crc") = 0);
+  m.def("crc32c_hw",
+        [](const py::buffer& b, uint32_t crc) {
+          if (!crc32c_hw_available()) throw std::runtime_error("no hardware CRC-32C on this CPU");
+          ByteView v = byte_view(b, false);
+          return dsv41::crc32c_hw(crc, v.ptr, v.size);
+        },
+        py::arg("data"), py::arg("crc") = 0);
+  m.def("crc32c_chunked",
+        [](const py::buffer& b, int chunks) {
+          ByteView v = byte_view(b, false);
+          return dsv41::crc32c_chunked(v.ptr, v.size, chunks);
+        },
+        py::arg("data"), py::arg("chunks"));
+  m.def("crc32c_combine", [](uint32_t a, uint32_t b, uint64_t len_b) { return crc::combine(a, b, len_b); });
+  m.def("crc32c_backend", &crc32c_backend);
+  m.def("cuda_device_count", &io::cuda_device_count);
+  m.def("gds_status", []() {
+    const io::GdsStatus s = io::gds_status();
+    return std::make_tuple(s.available, s.reason);
+  });
+  m.def("cufile_compiled", []() {
+#if defined(DSV41_WITH_CUDA) && defined(DSV41_WITH_CUFILE)
+    return true;
+#else
+    return false;
+#endif
+  });
+
+  py::class_<io::GdsFile, std::shared_ptr<io::GdsFile>>(m, "GdsFile")
+      .def(py::init<const std::string&, bool>(), py::arg("path"), py::arg("write") = false)
+      .def("read",
+           [](io::GdsFile& f, const at::Tensor& dst, uint64_t size, uint64_t file_offset, uint64_t dev_offset) {
+             if (!dst.is_cuda() || !dst.is_contiguous()) throw std::invalid_argument("dst must be a contiguous CUDA tensor");
+             if (dev_offset + size > static_cast<uint64_t>(dst.nbytes())) throw std::invalid_argument("read overruns dst");
+             py::gil_scoped_release nogil;
+             return f.read(dst.data_ptr(), size, file_offset, dev_offset);
+           })
+      .def("write", [](io::GdsFile& f, const at::Tensor& src, uint64_t size, uint64_t file_offset, uint64_t dev_offset) {
+        if (!src.is_cuda() || !src.is_contiguous()) throw std::invalid_argument("src must be a contiguous CUDA tensor");
+        if (dev_offset + size > static_cast<uint64_t>(src.nbytes())) throw std::invalid_argument("write overruns src");
+        py::gil_scoped_release nogil;
+        return f.write(src.data_ptr(), size, file_offset, dev_offset);
+      });
+
+#ifdef DSV41_WITH_CUDA
+  m.def("crc32c_device", &crc32c_device, py::arg("data"), py::arg("offsets"), py::arg("lengths"));
+#endif
+}
+
+}  // namespace dsv41
