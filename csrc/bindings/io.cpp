@@ -231,6 +231,22 @@ void bind_io(py::module_& parent) {
              }
              return crcs;
            })
+      .def("copy_ranges",
+           [](IoEngine& e, const py::buffer& dst, const std::vector<uint64_t>& dst_off, const py::buffer& src,
+              const std::vector<uint64_t>& src_off, uint64_t length) {
+             if (dst_off.size() != src_off.size()) throw std::invalid_argument("dst_off and src_off differ in length");
+             ByteView d = byte_view(dst, true);
+             ByteView s = byte_view(src, false);
+             for (size_t i = 0; i < dst_off.size(); ++i) {
+               if (dst_off[i] > d.size || length > d.size - dst_off[i] || src_off[i] > s.size ||
+                   length > s.size - src_off[i])
+                 throw std::invalid_argument("copy range " + std::to_string(i) + " overruns a buffer");
+             }
+             py::gil_scoped_release nogil;
+             e.copy_ranges(d.ptr, dst_off.data(), s.ptr, src_off.data(), dst_off.size(), length);
+           },
+           py::arg("dst"), py::arg("dst_off"), py::arg("src"), py::arg("src_off"), py::arg("length"),
+           "dst[dst_off[i]:+length] = src[src_off[i]:+length], in parallel")
       .def("copy_blocks", &copy_blocks, py::arg("dst"), py::arg("dst_idx"), py::arg("src"), py::arg("src_idx"))
       .def("fsync",
            [](IoEngine& e, int fd) {

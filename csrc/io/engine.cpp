@@ -272,6 +272,11 @@ void IoEngine::copy_blocks(uint8_t* dst, const int64_t* dst_idx, const uint8_t* 
   });
 }
 
+void IoEngine::copy_ranges(uint8_t* dst, const uint64_t* dst_off, const uint8_t* src,
+                           const uint64_t* src_off, size_t n, uint64_t length) {
+  pool_.parallel_for(n, [&](size_t i) { std::memcpy(dst + dst_off[i], src + src_off[i], length); });
+}
+
 int IoEngine::fsync(int fd) {
 #if defined(__linux__)
   const int r = ::fdatasync(fd);

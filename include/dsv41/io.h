@@ -127,6 +127,10 @@ class IoEngine {
   void copy_blocks(uint8_t* dst, const int64_t* dst_idx, const uint8_t* src,
                    const int64_t* src_idx, size_t n, uint64_t block_bytes);
 
+  // Equal-length range copies: dst + dst_off[i] <- src + src_off[i], `length` bytes each.
+  void copy_ranges(uint8_t* dst, const uint64_t* dst_off, const uint8_t* src,
+                   const uint64_t* src_off, size_t n, uint64_t length);
+
   int fsync(int fd);  // fdatasync where the platform has it, else fsync; 0 or -errno
 
   void set_faults(uint32_t faults, uint64_t nospace_after);
