@@ -351,7 +351,7 @@ class PersistentStore:
                 self._unindex(r)
         self.counts["orphans_dropped"] = len(orphans)
         if self.mode == "w":
-            now = time.time_ns()
+            now = self._now_ns()
             for rid in orphans:
                 self._journal_buf.append(sf.encode_journal(sf.J_DELETE, rid, now))
             self._flush_journal()
@@ -532,7 +532,7 @@ class PersistentStore:
             if r is None:
                 return 0
             stack, removed = [r], 0
-            now = time.time_ns()
+            now = self._now_ns()
             while stack:
                 cur = stack.pop()
                 stack.extend(self._recs[k] for k in list(self._kids.get(cur.rid, ())) if k in self._recs)
@@ -960,6 +960,7 @@ class PersistentStore:
             seg = _Seg(uuid, seq, name, 0)
             rows, keys, key_ix = [], [], {}
             offset = sf.PAGE
+            created = self._now_ns()  # one time for the whole batch: LRU sees its chains as one age
             items = raw if raw is not None else records
             pos = 0
             while pos < len(items):
@@ -991,7 +992,7 @@ class PersistentStore:
                                          rec.block_index, ki, rec.hash, self._record_bytes(view, at)))
                             at += rec.padded
                         else:
-                            at = self._encode(it, view, at, offset, rows, keys, key_ix)
+                            at = self._encode(it, view, at, offset, rows, keys, key_ix, created)
                     self._hook("write")
                     self._eng.write_all(f.fd, offset, buf, 0, size, str(tmp))
                 finally:
@@ -1065,7 +1066,8 @@ class PersistentStore:
     def _record_bytes(view: np.ndarray, at: int) -> int:
         return int(view[at: at + sf.REC_HEADER_BYTES].view(sf.REC_DTYPE)[0]["record_bytes"])
 
-    def _encode(self, p: _Pending, view: np.ndarray, at: int, file_off: int, rows, keys, key_ix) -> int:
+    def _encode(self, p: _Pending, view: np.ndarray, at: int, file_off: int, rows, keys, key_ix,
+                created: int) -> int:
         T, K, P = p.tokens.size, len(p.key), p.payload.size
         po, rbytes, padded = sf.record_geometry(T, K, P)
         base = at + sf.REC_HEADER_BYTES
@@ -1073,7 +1075,6 @@ class PersistentStore:
         view[base + 4 * T: base + 4 * T + K] = np.frombuffer(p.key, dtype=np.uint8)
         view[at + po: at + po + P] = p.payload
         data_crc = _io.crc32c(view[base: at + rbytes])
-        created = time.time_ns()
         head = sf.pack_record_header(record_id=p.rid, parent_id=p.parent, created_ns=created,
                                      block_index=p.block_index, token_count=T, key_bytes=K, payload_offset=po,
                                      payload_bytes=P, record_bytes=rbytes, block_hash=p.block_hash,
@@ -1249,7 +1250,7 @@ class PersistentStore:
     def _rewrite_journal_if_large(self) -> None:
         if self._journal_fd is None or self._journal_pos < 64 * 32 + 4 * 32 * len(self._recs):
             return
-        now = time.time_ns()
+        now = self._now_ns()
         with self._lock:
             parts = [sf.encode_journal(sf.J_WATERMARK, self._next_rid, now, self._next_seq)]
             parts += [sf.encode_journal(sf.J_ACCESS, r.rid, r.atime_ns) for r in self._recs.values()
