@@ -171,6 +171,7 @@ class PersistentStore:
         self._journal_buf: list[bytes] = []
         self._segs: dict[bytes, _Seg] = {}
         self._recs: dict[int, _Rec] = {}
+        self._live_total = 0
         self._children: dict[tuple[int, bytes], list[int]] = {}
         self._kids: dict[int, set[int]] = {}
         self._keys: list[bytes] = []
@@ -503,6 +504,7 @@ class PersistentStore:
             self._kids.setdefault(r.parent, set()).add(r.rid)
         r.seg.rids.add(r.rid)
         r.seg.live_bytes += r.padded
+        self._live_total += r.padded
 
     def _unindex(self, r: _Rec) -> None:
         self._recs.pop(r.rid, None)
@@ -524,6 +526,7 @@ class PersistentStore:
         if r.rid in r.seg.rids:
             r.seg.rids.discard(r.rid)
             r.seg.live_bytes -= r.padded
+            self._live_total -= r.padded
 
     def _delete(self, rid: int, cause: str) -> int:
         """Removes a record and every record below it; returns how many were removed."""
@@ -1093,8 +1096,7 @@ class PersistentStore:
             return sum(s.file_bytes for s in self._segs.values())
 
     def live_bytes(self) -> int:
-        with self._lock:
-            return sum(s.live_bytes for s in self._segs.values())
+        return self._live_total
 
     def gc(self, *, low_water: float = 0.9, compact_dead_fraction: float = 0.5) -> dict:
         """Expires records past the TTL, evicts least recently used records until the live
@@ -1111,17 +1113,24 @@ class PersistentStore:
                 expired = [r.rid for r in self._recs.values() if self._expired(r, now)]
             for rid in expired:
                 report["expired"] += self._delete(rid, "ttl")
-            if self.capacity_bytes is not None:
-                target = int(self.capacity_bytes * low_water)
-                with self._lock:
-                    order = sorted(self._recs.values(), key=lambda r: (r.atime_ns, -r.block_index))
-                for r in order:
-                    if self.live_bytes() <= target:
-                        break
-                    report["evicted"] += self._delete(r.rid, "capacity")
-            self._flush_journal()
-            report["segments_deleted"], report["segments_compacted"], report["corrupt_dropped"] = \
-                self._reclaim(compact_dead_fraction)
+            target = None if self.capacity_bytes is None else int(self.capacity_bytes * low_water)
+            for _ in range(8):
+                if target is not None:
+                    with self._lock:
+                        order = sorted(self._recs.values(), key=lambda r: (r.atime_ns, -r.block_index))
+                    for r in order:
+                        if self.live_bytes() <= target:
+                            break
+                        report["evicted"] += self._delete(r.rid, "capacity")
+                self._flush_journal()
+                deleted, compacted, corrupt = self._reclaim(compact_dead_fraction)
+                report["segments_deleted"] += deleted
+                report["segments_compacted"] += compacted
+                report["corrupt_dropped"] += corrupt
+                if self.capacity_bytes is None or self.file_bytes() <= self.capacity_bytes or not self._recs:
+                    break
+                # Segment headers and footers still overshoot the cap: evict that much more.
+                target = max(0, self.live_bytes() - (self.file_bytes() - self.capacity_bytes))
             report["bytes_after"] = self.file_bytes()
             self._rewrite_journal_if_large()
             self._update_gauges()

@@ -194,7 +194,9 @@ class SwaSnapshotPool:
                         continue
                     if np.array_equal(e.tokens, arr[:n]):
                         best = (eid, e)
-                    else:
+                    elif not np.array_equal(e.tokens[: k * B], arr[: k * B]):
+                        # Same anchor hash, other full blocks: a hash collision. (A different
+                        # tail after the same blocks is just another snapshot.)
                         self.metrics.collisions.inc(tier="swa")
                 if best is not None:
                     eid, e = best
