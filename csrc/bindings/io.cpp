@@ -56,15 +56,17 @@ ByteView byte_view(const py::buffer& b, bool writable) {
   return v;
 }
 
-// ops: [(fd, file_offset, length, buffer, buffer_offset)] -> [(bytes_done, errno)]
-std::vector<std::tuple<uint64_t, int>> run_ops(IoEngine& eng, const py::list& ops, bool write) {
+// ops: [(fd, file_offset, length, buffer, buffer_offset[, crc_ranges])]
+// -> [(bytes_done, errno)] or, with crc_ranges on reads, [(bytes_done, errno, [crc, ...])]
+py::list run_ops(IoEngine& eng, const py::list& ops, bool write) {
   std::vector<ByteView> views;
   std::vector<IoOp> batch;
   views.reserve(ops.size());
   batch.reserve(ops.size());
   for (const auto& item : ops) {
     auto t = item.cast<py::tuple>();
-    if (t.size() != 5) throw std::invalid_argument("each op is (fd, offset, length, buffer, buffer_offset)");
+    if (t.size() != 5 && !(t.size() == 6 && !write))
+      throw std::invalid_argument("each op is (fd, offset, length, buffer, buffer_offset[, crc_ranges])");
     IoOp op;
     op.fd = t[0].cast<int>();
     op.offset = t[1].cast<uint64_t>();
@@ -76,16 +78,116 @@ std::vector<std::tuple<uint64_t, int>> run_ops(IoEngine& eng, const py::list& op
                                   std::to_string(boff) + " overruns a buffer of " +
                                   std::to_string(views.back().size) + " bytes");
     op.buf = views.back().ptr + boff;
-    batch.push_back(op);
+    if (t.size() == 6) {
+      op.crc_ranges = t[5].cast<std::vector<std::pair<uint64_t, uint64_t>>>();
+      for (const auto& [off, len] : op.crc_ranges)
+        if (off > op.length || len > op.length - off) throw std::invalid_argument("crc range outside its op");
+    }
+    batch.push_back(std::move(op));
   }
   {
     py::gil_scoped_release nogil;
     eng.run(batch.data(), batch.size(), write);
   }
-  std::vector<std::tuple<uint64_t, int>> out;
-  out.reserve(batch.size());
-  for (const auto& op : batch) out.emplace_back(op.done, op.err);
+  py::list out;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const auto& op = batch[i];
+    if (py::len(ops[i].cast<py::tuple>()) == 6) {
+      out.append(py::make_tuple(op.done, op.err, py::cast(op.crcs)));
+    } else {
+      out.append(py::make_tuple(op.done, op.err));
+    }
+  }
   return out;
+}
+
+// ops: [(fd, offset, length, buffer, buffer_offset,
+//        [(offset_in_op, padded, record_id, parent_id, block_index, hash, row), ...])]
+// tokens: uint32 [rows, T] or None; key: bytes or None; dst: uint8 [rows, payload] or None.
+// Returns [(bytes_read, errno, [record status, ...])].
+py::list read_records(IoEngine& eng, const py::list& ops, const py::object& tokens, const py::object& key,
+                      const py::object& dst, uint32_t payload_bytes) {
+  if (payload_bytes == 0) throw std::invalid_argument("payload_bytes must be positive");
+  std::vector<ByteView> views;
+  std::vector<IoOp> batch;
+  views.reserve(ops.size() + 3);
+  batch.reserve(ops.size());
+  const uint32_t* tok = nullptr;
+  uint64_t tok_rows = 0, T = 0;
+  if (!tokens.is_none()) {
+    ByteView v = byte_view(tokens.cast<py::buffer>(), false);
+    if (v.info.itemsize != 4 || v.info.ndim != 2) throw std::invalid_argument("tokens must be uint32 [rows, T]");
+    tok = reinterpret_cast<const uint32_t*>(v.ptr);
+    tok_rows = static_cast<uint64_t>(v.info.shape[0]);
+    T = static_cast<uint64_t>(v.info.shape[1]);
+    views.push_back(std::move(v));
+  }
+  std::string key_str;
+  const bool has_key = !key.is_none();
+  if (has_key) key_str = key.cast<std::string>();
+  uint8_t* out = nullptr;
+  uint64_t out_rows = 0;
+  if (!dst.is_none()) {
+    ByteView v = byte_view(dst.cast<py::buffer>(), true);
+    out = v.ptr;
+    out_rows = v.size / payload_bytes;
+    views.push_back(std::move(v));
+  }
+  std::vector<std::string> hashes;  // keep the hash bytes alive while the GIL is released
+  size_t n_records = 0;
+  for (const auto& item : ops) n_records += item.cast<py::tuple>()[5].cast<py::list>().size();
+  hashes.reserve(n_records);
+  for (const auto& item : ops) {
+    auto t = item.cast<py::tuple>();
+    if (t.size() != 6) throw std::invalid_argument("each op is (fd, offset, length, buffer, buffer_offset, records)");
+    IoOp op;
+    op.fd = t[0].cast<int>();
+    op.offset = t[1].cast<uint64_t>();
+    op.length = t[2].cast<uint64_t>();
+    views.push_back(byte_view(t[3].cast<py::buffer>(), true));
+    const uint64_t boff = t[4].cast<uint64_t>();
+    if (boff > views.back().size || op.length > views.back().size - boff)
+      throw std::invalid_argument("read op overruns its buffer");
+    op.buf = views.back().ptr + boff;
+    for (const auto& r : t[5].cast<py::list>()) {
+      auto rt = r.cast<py::tuple>();
+      record::Expect e;
+      const uint64_t off = rt[0].cast<uint64_t>();
+      e.padded = rt[1].cast<uint64_t>();
+      if (off > op.length || e.padded > op.length - off) throw std::invalid_argument("record outside its op");
+      e.record_id = rt[2].cast<uint64_t>();
+      e.parent_id = rt[3].cast<uint64_t>();
+      e.block_index = rt[4].cast<uint32_t>();
+      hashes.push_back(rt[5].cast<std::string>());
+      if (hashes.back().size() > 32) throw std::invalid_argument("hash longer than 32 bytes");
+      e.hash = reinterpret_cast<const uint8_t*>(hashes.back().data());
+      e.hash_bytes = static_cast<uint32_t>(hashes.back().size());
+      e.payload_bytes = payload_bytes;
+      const uint64_t row = rt[6].cast<uint64_t>();
+      if (tok) {
+        if (row >= tok_rows) throw std::out_of_range("token row out of range");
+        e.tokens = tok + row * T;
+        e.token_count = static_cast<uint32_t>(T);
+      }
+      if (has_key) {
+        e.key = reinterpret_cast<const uint8_t*>(key_str.data());
+        e.key_bytes = static_cast<uint32_t>(key_str.size());
+      }
+      if (out) {
+        if (row >= out_rows) throw std::out_of_range("dst row out of range");
+        e.dst = out + row * payload_bytes;
+      }
+      op.records.emplace_back(off, e);
+    }
+    batch.push_back(std::move(op));
+  }
+  {
+    py::gil_scoped_release nogil;
+    eng.run(batch.data(), batch.size(), false);
+  }
+  py::list result;
+  for (const auto& op : batch) result.append(py::make_tuple(op.done, op.err, py::cast(op.record_status)));
+  return result;
 }
 
 void check_blocks(const at::Tensor& t, const char* name) {
@@ -177,6 +279,7 @@ void bind_io(py::module_& parent) {
   m.attr("FAULT_REFUSE_DIRECT_OPEN") = static_cast<uint32_t>(io::kFaultRefuseDirectOpen);
   m.attr("FAULT_REFUSE_DIRECT_IO") = static_cast<uint32_t>(io::kFaultRefuseDirectIo);
   m.attr("FAULT_NO_SPACE") = static_cast<uint32_t>(io::kFaultNoSpace);
+  m.attr("RECORD_STATUS") = py::make_tuple("ok", "truncated", "header", "checksum", "collision");
 
   py::class_<AlignedBuffer, std::shared_ptr<AlignedBuffer>>(m, "AlignedBuffer", py::buffer_protocol(),
                                                             "A zeroed 4 KiB-aligned host buffer.")
@@ -211,9 +314,12 @@ void bind_io(py::module_& parent) {
            py::arg("path"), py::arg("flags"), py::arg("mode") = 0644, py::arg("direct") = true,
            "(fd, is_direct); fd is -errno on failure")
       .def("pread", [](IoEngine& e, const py::list& ops) { return run_ops(e, ops, false); },
-           "ops: [(fd, offset, length, buffer, buffer_offset)] -> [(bytes_read, errno)]")
+           "ops: [(fd, offset, length, buffer, buffer_offset[, crc_ranges])] -> [(bytes_read, errno[, crcs])]")
       .def("pwrite", [](IoEngine& e, const py::list& ops) { return run_ops(e, ops, true); },
            "ops: [(fd, offset, length, buffer, buffer_offset)] -> [(bytes_written, errno)]")
+      .def("read_records", &read_records, py::arg("ops"), py::arg("tokens"), py::arg("key"), py::arg("dst"),
+           py::arg("payload_bytes"),
+           "verified record reads: each worker checks (and copies out) the records of the op it read")
       .def("crc32c_many",
            [](IoEngine& e, const py::buffer& b, const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
              ByteView v = byte_view(b, false);

@@ -231,6 +231,8 @@ void IoEngine::run(IoOp* ops, size_t n, bool write) {
   for (size_t i = 0; i < n; ++i) {
     ops[i].done = 0;
     ops[i].err = 0;
+    ops[i].crcs.clear();
+    ops[i].record_status.clear();
     if (ops[i].fd < 0) {
       ops[i].err = EBADF;
       continue;
@@ -243,7 +245,29 @@ void IoEngine::run(IoOp* ops, size_t n, bool write) {
       chunks.push_back({&ops[i], s, std::min(chunk_bytes_, ops[i].length - s)});
     }
   }
-  pool_.parallel_for(chunks.size(), [&](size_t k) { run_chunk(chunks[k], write); });
+  // An op that is one chunk gets its CRCs from the worker that read it.
+  auto checksum = [](IoOp& op, uint64_t done) {
+    op.crcs.assign(op.crc_ranges.size(), 0);
+    for (size_t r = 0; r < op.crc_ranges.size(); ++r) {
+      const auto [off, len] = op.crc_ranges[r];
+      if (off + len <= done) op.crcs[r] = dsv41::crc32c(0, op.buf + off, len);
+    }
+  };
+  auto check_records = [](IoOp& op, uint64_t done) {
+    op.record_status.assign(op.records.size(), record::kTruncated);
+    for (size_t r = 0; r < op.records.size(); ++r) {
+      const auto& [off, expect] = op.records[r];
+      op.record_status[r] = record::check(op.buf + off, done > off ? done - off : 0, expect);
+    }
+  };
+  pool_.parallel_for(chunks.size(), [&](size_t k) {
+    Chunk& c = chunks[k];
+    run_chunk(c, write);
+    if (!write && c.start == 0 && c.length == c.op->length) {
+      if (!c.op->crc_ranges.empty()) checksum(*c.op, c.done);
+      if (!c.op->records.empty()) check_records(*c.op, c.done);
+    }
+  });
   // An op's result is its contiguous prefix: a short or failed chunk ends it.
   for (size_t k = 0; k < chunks.size();) {
     IoOp& op = *chunks[k].op;
@@ -257,6 +281,8 @@ void IoEngine::run(IoOp* ops, size_t n, bool write) {
     }
     (write ? write_ops_ : read_ops_).fetch_add(1);
     if (op.err) errors_.fetch_add(1);
+    if (!write && op.crcs.size() != op.crc_ranges.size()) checksum(op, op.done);  // split op
+    if (!write && op.record_status.size() != op.records.size()) check_records(op, op.done);
   }
 }
 

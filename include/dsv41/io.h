@@ -19,7 +19,10 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
+
+#include "dsv41/record.h"
 
 namespace dsv41 {
 namespace io {
@@ -81,6 +84,16 @@ struct IoOp {
   // first failure (0 when none).
   uint64_t done = 0;
   int err = 0;
+  // Optional, reads only: CRC-32C of these [offset, offset + length) ranges of the op's
+  // buffer, computed by the worker right after its read while the bytes are in its cache
+  // (ranges the read did not fill get crc 0).
+  std::vector<std::pair<uint64_t, uint64_t>> crc_ranges;
+  std::vector<uint32_t> crcs;
+  // Optional, reads only: persistent-cache records inside the op (offset within the op's
+  // buffer, what they must be), checked and copied out by the worker after its read;
+  // record_status gets one record::Status each.
+  std::vector<std::pair<uint64_t, record::Expect>> records;
+  std::vector<int> record_status;
 };
 
 // Test-only faults, so the fallback and error paths run on any filesystem.

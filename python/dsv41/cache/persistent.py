@@ -55,6 +55,8 @@ DEFAULT_TTL_S = 72 * 3600.0
 DEFAULT_SEGMENT_BYTES = 128 << 20
 _WRITE_CHUNK = 16 << 20
 _READ_BATCH = 64 << 20
+_GROUP_BYTES = 512 << 10  # contiguous records read by one op (several ops keep every I/O thread busy)
+_RECORD_STATUS = _io.RECORD_STATUS  # "ok", "truncated", "header", "checksum", "collision"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -586,19 +588,20 @@ class PersistentStore:
         """Record ids of the longest chain matching `hashes` below record `parent` (0: from a
         chain's first block, matched on `key`), by the in-memory index only: unverified."""
         out = []
-        now = self._now_ns()
         expired = []
+        oldest = None if self.ttl_s is None else self._now_ns() - self.ttl_s * 1e9
+        children, recs = self._children, self._recs
         with self._lock:
             kid = self._key_ids.get(key)
             if kid is None and parent == 0:
                 return []
             for h in hashes:
                 found = None
-                for rid in self._children.get((parent, h), ()):
-                    r = self._recs[rid]
+                for rid in children.get((parent, h), ()):
+                    r = recs[rid]
                     if (exclude and rid in exclude) or (parent == 0 and r.key_id != kid):
                         continue
-                    if self._expired(r, now):
+                    if oldest is not None and r.atime_ns < oldest:
                         expired.append(rid)
                         continue
                     found = r
@@ -639,56 +642,91 @@ class PersistentStore:
                     os.close(fd)
                 self._fd_graveyard.clear()
 
-    def read(self, rids: list[int], tokens: np.ndarray, key: bytes, out: np.ndarray | None) -> list[str]:
+    def _read_checked(self, recs: list, tokens: np.ndarray | None, key: bytes | None,
+                      out: np.ndarray | None) -> tuple[list[str], tuple, dict[int, int]]:
+        """Reads records (None entries are "missing") and checks each one in the I/O worker
+        that read it (dsv41/record.h): header and data CRC, identity against the index,
+        then token ids (row i of tokens) and key when given; verified payloads go to row i
+        of out. Returns (statuses, the staging buffer item, record index -> its offset in
+        the staging buffer). The caller must _put_staging(item)."""
+        status = ["ok"] * len(recs)
+        groups: list[list] = []  # [fd, file_offset, size, [record index, ...]]
+        last_seg = None
+        fds: dict[bytes, int | None] = {}
+        with self._lock:
+            for r in recs:
+                if r is not None and r.seg.uuid not in fds:
+                    try:
+                        fds[r.seg.uuid] = self._seg_fd(r.seg)
+                    except FileNotFoundError:
+                        fds[r.seg.uuid] = None
+        for i, r in enumerate(recs):
+            fd = None if r is None else fds[r.seg.uuid]
+            if fd is None:
+                status[i] = "missing"
+                continue
+            g = groups[-1] if groups else None
+            # Records back to back in one segment (a chain written by one commit) share one
+            # op of up to _GROUP_BYTES.
+            if g is not None and last_seg is r.seg and g[1] + g[2] == r.offset and g[2] + r.padded <= _GROUP_BYTES:
+                g[2] += r.padded
+                g[3].append(i)
+            else:
+                groups.append([fd, r.offset, r.padded, [i]])
+            last_seg = r.seg
+        item = self._get_staging(sum(g[2] for g in groups))
+        buf = item[0]
+        ops, where, pos = [], {}, 0
+        for g in groups:
+            specs = []
+            for i in g[3]:
+                r = recs[i]
+                rel = r.offset - g[1]
+                where[i] = pos + rel
+                specs.append((rel, r.padded, r.rid, r.parent, r.block_index, r.hash, i))
+            ops.append((g[0], g[1], g[2], buf, pos, specs))
+            pos += g[2]
+        results = self._eng._eng.read_records(ops, tokens, key, None if out is None else out.reshape(-1),
+                                              self.identity.block_bytes)
+        for g, (done, err, codes) in zip(groups, results):
+            for i, code in zip(g[3], codes):
+                if code != 0 and err and code == 1:  # short because the read failed
+                    status[i] = "missing" if err in (errno.ENOENT, errno.EBADF) else "io"
+                else:
+                    status[i] = _RECORD_STATUS[code]
+        return status, item, where
+
+    def read(self, rids: list[int], tokens: np.ndarray | None, key: bytes, out: np.ndarray | None) -> list[str]:
         """Reads and verifies records `rids` (one per row of `tokens`, uint32 [n, T]); copies
         the payload of each verified one into row i of `out` (uint8 [n, block_bytes]).
 
         Returns one status per record: "ok", "collision" (intact but another prefix: token
         ids or key differ), or the failure that removed it: "missing", "truncated",
-        "header", "checksum", "io".
+        "header", "checksum", "io". With tokens None the token ids are not compared.
         """
-        n = len(rids)
-        if n == 0:
+        if not rids:
             return []
         t0 = time.perf_counter()
-        status = ["ok"] * n
+        P = self.identity.block_bytes
+        if tokens is not None:
+            tokens = np.ascontiguousarray(tokens, dtype="<u4")
+            if tokens.ndim != 2 or tokens.shape[0] < len(rids):
+                raise ValueError(f"tokens must be uint32 [{len(rids)}, T], got {tokens.shape}")
+        if out is not None and (out.dtype != np.uint8 or out.size < len(rids) * P or not out.flags.c_contiguous):
+            raise ValueError(f"out must be contiguous uint8 [{len(rids)}, {P}]")
         with self._lock:
             recs = [self._recs.get(rid) for rid in rids]
             self._active_reads += 1
         try:
-            ops_idx, ops = [], []
-            for i, r in enumerate(recs):
-                if r is None:
-                    status[i] = "missing"
-                    continue
-                try:
-                    with self._lock:
-                        fd = self._seg_fd(r.seg)
-                except FileNotFoundError:
-                    status[i] = "missing"
-                    continue
-                ops_idx.append(i)
-                ops.append([fd, r.offset, r.padded])
-            total = sum(op[2] for op in ops)
-            item = self._get_staging(total)
-            buf, view = item
-            try:
-                offs, pos = [], 0
-                for op in ops:
-                    op += [buf, pos]
-                    offs.append(pos)
-                    pos += op[2]
-                results = self._eng.pread([tuple(op) for op in ops])
-                self._verify_batch(recs, ops_idx, offs, results, view, tokens, key, out, status)
-            finally:
-                self._put_staging(item)
+            status, item, _ = self._read_checked(recs, tokens, key, out)
+            self._put_staging(item)
         finally:
             self._end_read()
         # Remove what failed verification (never the collisions: those records are intact).
         good_bytes = 0
         for i, st in enumerate(status):
             if st == "ok":
-                good_bytes += self.identity.block_bytes
+                good_bytes += P
             elif st != "collision":
                 with self._lock:
                     moved = recs[i] is not None and self._recs.get(rids[i]) is not recs[i]
@@ -709,68 +747,6 @@ class PersistentStore:
         self.metrics.bytes_read.inc(good_bytes, tier="ssd")
         self.metrics.ssd_read_seconds.observe(time.perf_counter() - t0)
         return status
-
-    def _verify_batch(self, recs, ops_idx, offs, results, view, tokens, key, out, status) -> None:
-        T = tokens.shape[1] if tokens is not None else None
-        P = self.identity.block_bytes
-        good = []
-        for j, i in enumerate(ops_idx):
-            done, err = results[j]
-            r = recs[i]
-            if err:
-                status[i] = "missing" if err in (errno.ENOENT, errno.EBADF) else "io"
-            elif done < r.padded:
-                status[i] = "truncated"
-            else:
-                good.append(j)
-        if not good:
-            return
-        offs_a = np.asarray([offs[j] for j in good], dtype=np.int64)
-        hdr = view[offs_a[:, None] + np.arange(sf.REC_HEADER_BYTES)].view(sf.REC_DTYPE).reshape(-1)
-        hcrc = self._eng.crc32c_many(view, [(int(o), 252) for o in offs_a])
-        ok = ((hdr["magic"] == sf.REC_MAGIC) & (hdr["version"] == sf.STORE_FORMAT_VERSION)
-              & (hdr["header_bytes"] == sf.REC_HEADER_BYTES) & (np.asarray(hcrc) == hdr["header_crc"]))
-        exp_rid = np.asarray([recs[ops_idx[j]].rid for j in good], dtype=np.uint64)
-        exp_parent = np.asarray([recs[ops_idx[j]].parent for j in good], dtype=np.uint64)
-        exp_bi = np.asarray([recs[ops_idx[j]].block_index for j in good], dtype=np.uint32)
-        exp_padded = np.asarray([recs[ops_idx[j]].padded for j in good], dtype=np.int64)
-        po = hdr["payload_offset"].astype(np.int64)
-        rb = hdr["record_bytes"].astype(np.int64)
-        ok &= ((hdr["record_id"] == exp_rid) & (hdr["parent_id"] == exp_parent)
-               & (hdr["block_index"] == exp_bi) & (hdr["payload_bytes"] == P)
-               & (rb == po + P) & ((rb + sf.PAGE - 1) // sf.PAGE * sf.PAGE == exp_padded)
-               & (po >= sf.REC_HEADER_BYTES + 4 * hdr["token_count"].astype(np.int64) + hdr["key_bytes"]))
-        for k, j in enumerate(good):
-            i = ops_idx[j]
-            if ok[k] and bytes(hdr["block_hash"][k])[: int(hdr["hash_bytes"][k])] != recs[i].hash:
-                ok[k] = False
-            if not ok[k]:
-                status[i] = "header"
-        live = [k for k in range(len(good)) if ok[k]]
-        if not live:
-            return
-        dcrc = self._eng.crc32c_many(view, [(int(offs_a[k]) + sf.REC_HEADER_BYTES,
-                                             int(rb[k]) - sf.REC_HEADER_BYTES) for k in live])
-        verified = []
-        for k, c in zip(live, dcrc):
-            i = ops_idx[good[k]]
-            if c != int(hdr["data_crc"][k]):
-                status[i] = "checksum"
-                continue
-            # Intact. Now: is it the prefix that was asked for?
-            base = int(offs_a[k]) + sf.REC_HEADER_BYTES
-            tc, kb = int(hdr["token_count"][k]), int(hdr["key_bytes"][k])
-            if T is not None and (tc != T or not np.array_equal(
-                    view[base: base + 4 * tc].view("<u4"), tokens[i])):
-                status[i] = "collision"
-                continue
-            if bytes(view[base + 4 * tc: base + 4 * tc + kb]) != key:
-                status[i] = "collision"
-                continue
-            verified.append((i, int(offs_a[k]) + int(po[k])))
-        if out is not None and verified:
-            self._eng.copy_ranges(out.reshape(-1), [i * P for i, _ in verified], view,
-                                  [src for _, src in verified], P)
 
     def load(self, key: bytes, hashes: list[bytes], tokens: np.ndarray, out: np.ndarray | None,
              parent: int = 0) -> list[int]:
@@ -1202,59 +1178,33 @@ class PersistentStore:
         raw = []
         item = None
         if recs:
-            total = sum(r.padded for r in recs)
-            item = _io.staging(total)
-            buf, view = item
             with self._lock:
                 self._active_reads += 1
             try:
-                ops, offs, pos = [], [], 0
-                for r in recs:
-                    with self._lock:
-                        fd = self._seg_fd(r.seg)
-                    ops.append((fd, r.offset, r.padded, buf, pos))
-                    offs.append(pos)
-                    pos += r.padded
-                results = self._eng.pread(ops)
+                status, item, where = self._read_checked(recs, None, None, None)
             finally:
                 self._end_read()
-            for r, off, (done, err) in zip(recs, offs, results):
-                st = self._verify_raw(r, view, off, done, err)
+            view = item[1]
+            for i, (r, st) in enumerate(zip(recs, status)):
                 if st != "ok":
                     corrupt += 1
                     self.metrics.checksum_failures.inc(kind=st)
                     self._delete(r.rid, "corruption")
                     continue
-                raw.append((r, view, off))
+                raw.append((r, view, where[i]))
             # A record whose parent was just dropped is an orphan: _delete removed it too.
             raw = [x for x in raw if x[0].rid in self._recs]
-        if raw:
-            try:
+        try:
+            if raw:
                 self._write_segment([], supersedes=[s.uuid for s in segs], raw=raw)
-            except OSError as e:
-                self._degrade(e)
-                return 0, corrupt
+        except OSError as e:
+            self._degrade(e)
+            return 0, corrupt
+        finally:
+            if item is not None:
+                self._put_staging(item)
         self._retire(segs)
         return len(segs), corrupt
-
-    def _verify_raw(self, r: _Rec, view: np.ndarray, off: int, done: int, err: int) -> str:
-        if err:
-            return "missing" if err in (errno.ENOENT, errno.EBADF) else "io"
-        if done < r.padded:
-            return "truncated"
-        h = view[off: off + sf.REC_HEADER_BYTES].view(sf.REC_DTYPE)[0]
-        if (h["magic"] != sf.REC_MAGIC or int(h["version"]) != sf.STORE_FORMAT_VERSION
-                or _io.crc32c(view[off: off + 252]) != int(h["header_crc"])
-                or int(h["record_id"]) != r.rid or int(h["parent_id"]) != r.parent
-                or int(h["block_index"]) != r.block_index
-                or bytes(h["block_hash"])[: int(h["hash_bytes"])] != r.hash
-                or int(h["payload_bytes"]) != self.identity.block_bytes
-                or _io.align_up(int(h["record_bytes"])) != r.padded):
-            return "header"
-        rb = int(h["record_bytes"])
-        if _io.crc32c(view[off + sf.REC_HEADER_BYTES: off + rb]) != int(h["data_crc"]):
-            return "checksum"
-        return "ok"
 
     def _rewrite_journal_if_large(self) -> None:
         if self._journal_fd is None or self._journal_pos < 64 * 32 + 4 * 32 * len(self._recs):
@@ -1301,25 +1251,15 @@ class PersistentStore:
                 batch.append(recs[i])
                 size += recs[i].padded
                 i += 1
-            buf, view = _io.staging(size)
             with self._lock:
                 self._active_reads += 1
             try:
-                ops, offs, pos = [], [], 0
-                for r in batch:
-                    try:
-                        with self._lock:
-                            fd = self._seg_fd(r.seg)
-                    except FileNotFoundError:
-                        fd = -1  # the engine answers EBADF: reported as missing below
-                    ops.append((fd, r.offset, r.padded, buf, pos))
-                    offs.append(pos)
-                    pos += r.padded
-                results = self._eng.pread(ops)
+                status, item, where = self._read_checked(batch, None, None, None)
             finally:
                 self._end_read()
-            for r, off, (done, err) in zip(batch, offs, results):
-                st = self._verify_raw(r, view, off, done, err)
+            view = item[1]
+            for j, (r, st) in enumerate(zip(batch, status)):
+                off = where.get(j)
                 if st == "ok":
                     st = self._verify_links(r, view, off, hashes)
                 if st == "ok":
@@ -1332,6 +1272,7 @@ class PersistentStore:
                     if repair:
                         self._delete(r.rid, "corruption")
                 done_bytes += r.padded
+            self._put_staging(item)
             if progress is not None:
                 progress(done_bytes, total)
         if repair:
