@@ -221,6 +221,16 @@ DSV41_HD float block_amax(const float* x, bool* finite) {
 // Packs two E2M1 codes: element 2k in the low nibble.
 DSV41_HD uint8_t pack_e2m1(uint8_t lo, uint8_t hi) { return static_cast<uint8_t>(lo | (hi << 4)); }
 
+// N packed E2M1 codes times one decoded scale: both FP4 formats decode this way.
+template <int N>
+DSV41_HD void decode_e2m1_packed(const uint8_t* codes, float s, float* y) {
+  DSV41_UNROLL
+  for (int k = 0; k < N / 2; ++k) {
+    y[2 * k] = e2m1_decode(codes[k] & 0xF) * s;
+    y[2 * k + 1] = e2m1_decode(codes[k] >> 4) * s;
+  }
+}
+
 // NVFP4: 16 values -> 8 code bytes + 1 E4M3 scale.
 DSV41_HD void nvfp4_encode_block(const float* x, uint8_t* codes, uint8_t* scale) {
   bool finite;
@@ -233,12 +243,7 @@ DSV41_HD void nvfp4_encode_block(const float* x, uint8_t* codes, uint8_t* scale)
 }
 
 DSV41_HD void nvfp4_decode_block(const uint8_t* codes, uint8_t scale, float* y) {
-  const float s = e4m3_decode(scale);
-  DSV41_UNROLL
-  for (int k = 0; k < kNvfp4Block / 2; ++k) {
-    y[2 * k] = e2m1_decode(codes[k] & 0xF) * s;
-    y[2 * k + 1] = e2m1_decode(codes[k] >> 4) * s;
-  }
+  decode_e2m1_packed<kNvfp4Block>(codes, e4m3_decode(scale), y);
 }
 
 // MXFP4: 32 values -> 16 code bytes + 1 UE8M0 scale.
@@ -253,12 +258,7 @@ DSV41_HD void mxfp4_encode_block(const float* x, uint8_t* codes, uint8_t* scale)
 }
 
 DSV41_HD void mxfp4_decode_block(const uint8_t* codes, uint8_t scale, float* y) {
-  const float s = ue8m0_to_float(scale);
-  DSV41_UNROLL
-  for (int k = 0; k < kMxfp4Block / 2; ++k) {
-    y[2 * k] = e2m1_decode(codes[k] & 0xF) * s;
-    y[2 * k + 1] = e2m1_decode(codes[k] >> 4) * s;
-  }
+  decode_e2m1_packed<kMxfp4Block>(codes, ue8m0_to_float(scale), y);
 }
 
 // FP8 SWA: 32 values -> 32 E4M3 bytes + 1 UE8M0 scale.
