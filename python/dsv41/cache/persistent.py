@@ -194,6 +194,8 @@ class PersistentStore:
         self.recovery_seconds = 0.0
         self.closed = False
         self._direct_seen: bool | None = None  # whether the filesystem took O_DIRECT
+        self._gds_ok: bool | None = None
+        self._gds_files: dict[bytes, object] = {}
 
         t0 = time.perf_counter()
         if mode == "w":
@@ -722,11 +724,16 @@ class PersistentStore:
             self._put_staging(item)
         finally:
             self._end_read()
-        # Remove what failed verification (never the collisions: those records are intact).
+        self._settle(rids, recs, status, t0)
+        return status
+
+    def _settle(self, rids, recs, status, t0) -> None:
+        """Counts a batch's outcome and removes what failed verification (never the
+        collisions: those records are intact, just another prefix's)."""
         good_bytes = 0
         for i, st in enumerate(status):
             if st == "ok":
-                good_bytes += P
+                good_bytes += self.identity.block_bytes
             elif st != "collision":
                 with self._lock:
                     moved = recs[i] is not None and self._recs.get(rids[i]) is not recs[i]
@@ -746,13 +753,116 @@ class PersistentStore:
                 self.metrics.collisions.inc(tier="ssd")
         self.metrics.bytes_read.inc(good_bytes, tier="ssd")
         self.metrics.ssd_read_seconds.observe(time.perf_counter() - t0)
+
+    # ---- reads into device memory (GPUDirect Storage) ------------------------------------
+
+    @property
+    def gds_available(self) -> bool:
+        if self._gds_ok is None:
+            self._gds_ok = bool(_io.io_info()["gds_available"])
+        return self._gds_ok
+
+    def _device_read(self, seg: _Seg, staging: torch.Tensor, size: int, file_off: int, dev_off: int) -> tuple[int, int]:
+        """(bytes read, errno) of one read into `staging`: cuFile on a CUDA device, the
+        engine's pread elsewhere (the CPU runs this path in the tests)."""
+        path = self.path / seg.name
+        if staging.device.type == "cuda":
+            with self._lock:
+                f = self._gds_files.get(seg.uuid)
+                if f is None:
+                    try:
+                        f = self._gds_files[seg.uuid] = _io._io.GdsFile(str(path), False)
+                    except RuntimeError:
+                        return 0, errno.ENOENT if not path.exists() else errno.EIO
+            n = f.read(staging, size, file_off, dev_off)
+            return (n, 0) if n >= 0 else (0, -n if -n < 5000 else errno.EIO)
+        with self._lock:
+            fd = self._seg_fd(seg)
+        [(done, err)] = self._eng.pread([(fd, file_off, size, staging.numpy(), dev_off)])
+        return done, err
+
+    def _device_crc(self, staging: torch.Tensor, ranges: list[tuple[int, int]]) -> list[int]:
+        if not ranges:
+            return []
+        if staging.device.type == "cuda":
+            off = torch.tensor([o for o, _ in ranges], dtype=torch.long, device=staging.device)
+            ln = torch.tensor([n for _, n in ranges], dtype=torch.long, device=staging.device)
+            return [c & 0xFFFFFFFF for c in _io._io.crc32c_device(staging, off, ln).cpu().tolist()]
+        return self._eng.crc32c_many(staging.numpy(), ranges)
+
+    def read_into(self, rids: list[int], tokens: np.ndarray | None, key: bytes, dst: torch.Tensor) -> list[str]:
+        """read() into rows of a tensor on any device. With a CUDA tensor and GPUDirect
+        Storage the records go from the SSD straight into device memory; the data CRCs are
+        computed there, and only each record's head (header, token ids, key) comes back to
+        the host for the remaining checks (the same C++ check as read()). Verified payloads
+        are then copied device to device into dst. On the CPU the same steps run with pread
+        and the host CRC."""
+        if not rids:
+            return []
+        t0 = time.perf_counter()
+        P = self.identity.block_bytes
+        if dst.dtype != torch.uint8 or dst.dim() != 2 or dst.shape[1] != P or dst.shape[0] < len(rids):
+            raise ValueError(f"dst must be uint8 [{len(rids)}, {P}]")
+        if tokens is not None:
+            tokens = np.ascontiguousarray(tokens, dtype="<u4")
+        status = ["ok"] * len(rids)
+        with self._lock:
+            recs = [self._recs.get(rid) for rid in rids]
+        groups: list[list] = []  # [seg, file_offset, size, [record index, ...]]
+        for i, r in enumerate(recs):
+            if r is None:
+                status[i] = "missing"
+                continue
+            g = groups[-1] if groups else None
+            if g is not None and g[0] is r.seg and g[1] + g[2] == r.offset and g[2] + r.padded <= _GROUP_BYTES:
+                g[2] += r.padded
+                g[3].append(i)
+            else:
+                groups.append([r.seg, r.offset, r.padded, [i]])
+        staging = torch.empty(max(1, sum(g[2] for g in groups)), dtype=torch.uint8, device=dst.device)
+        where, got, pos = {}, {}, 0
+        for seg, file_off, size, members in groups:
+            done, err = self._device_read(seg, staging, size, file_off, pos)
+            for i in members:
+                rel_end = recs[i].offset - file_off + recs[i].padded
+                where[i] = pos + recs[i].offset - file_off
+                got[i] = recs[i].padded if done >= rel_end else max(0, done - (rel_end - recs[i].padded))
+                if done < rel_end and err:
+                    status[i] = "missing" if err in (errno.ENOENT, errno.EBADF) else "io"
+            pos += size
+        live = [i for i in range(len(rids)) if status[i] == "ok"]
+        if not live:
+            self._settle(rids, recs, status, t0)
+            return status
+        # The heads come back to the host first: their record_bytes say which range to checksum.
+        T = self.identity.block_tokens
+        head_bytes = _io.align_up(sf.REC_HEADER_BYTES + 4 * T + len(key))
+        heads_dev = torch.stack([staging[where[i]: where[i] + head_bytes] if got[i] >= head_bytes
+                                 else torch.zeros(head_bytes, dtype=torch.uint8, device=dst.device)
+                                 for i in live])
+        heads = heads_dev.cpu().numpy()
+        hdr = heads[:, : sf.REC_HEADER_BYTES].copy().view(sf.REC_DTYPE).reshape(-1)
+        ranges = []
+        for k, i in enumerate(live):
+            end = min(int(hdr["record_bytes"][k]), got[i])
+            ranges.append((where[i] + sf.REC_HEADER_BYTES, max(0, end - sf.REC_HEADER_BYTES)))
+        crcs = self._device_crc(staging, ranges)
+        specs = [(k * head_bytes, recs[i].padded, recs[i].rid, recs[i].parent, recs[i].block_index, recs[i].hash,
+                  i, crcs[k], got[i]) for k, i in enumerate(live)]
+        codes = _io._io.check_heads(heads.reshape(-1), specs, tokens, key, P, head_bytes)
+        for k, (i, code) in enumerate(zip(live, codes)):
+            status[i] = _RECORD_STATUS[code]
+            if code == 0:
+                po = int(hdr["payload_offset"][k])
+                dst[i].copy_(staging[where[i] + po: where[i] + po + P], non_blocking=True)
+        self._settle(rids, recs, status, t0)
         return status
 
-    def load(self, key: bytes, hashes: list[bytes], tokens: np.ndarray, out: np.ndarray | None,
+    def load(self, key: bytes, hashes: list[bytes], tokens: np.ndarray, out: np.ndarray | torch.Tensor | None,
              parent: int = 0) -> list[int]:
         """The longest verified chain for `hashes` (blocks whose token ids are the rows of
-        `tokens`) below record `parent`: copies payloads into the rows of `out` and returns
-        the record ids. A record that is a collision or fails verification ends the chain
+        `tokens`) below record `parent`: copies payloads into the rows of `out` (a host
+        array, or a tensor on any device: see read_into) and returns the record ids. A record that is a collision or fails verification ends the chain
         there, after any other candidate for that block has been tried."""
         loaded: list[int] = []
         exclude: set[int] = set()
@@ -765,8 +875,11 @@ class PersistentStore:
             stopped = False
             for s in range(0, len(chain), per):
                 part = chain[s: s + per]
-                st = self.read(part, tokens[i: i + len(part)], key,
-                               None if out is None else out[i: i + len(part)])
+                rows = None if out is None else out[i: i + len(part)]
+                if isinstance(out, torch.Tensor):
+                    st = self.read_into(part, tokens[i: i + len(part)], key, rows)
+                else:
+                    st = self.read(part, tokens[i: i + len(part)], key, rows)
                 k = next((j for j, x in enumerate(st) if x != "ok"), len(st))
                 loaded += part[:k]
                 i += k
@@ -1116,6 +1229,7 @@ class PersistentStore:
         for s in segs:
             with self._lock:
                 self._segs.pop(s.uuid, None)
+                self._gds_files.pop(s.uuid, None)  # reads in flight hold their own reference
                 if s.fd is not None:
                     if self._active_reads:
                         self._fd_graveyard.append(s.fd)
@@ -1419,6 +1533,7 @@ class PersistentStore:
                 for fd in self._fd_graveyard:
                     os.close(fd)
                 self._fd_graveyard.clear()
+                self._gds_files.clear()
             self._release_lock()
             self.closed = True
 
