@@ -57,6 +57,25 @@ def test_longest_exact_prefix_is_served_as_a_copy():
         pool.put(key(), t[:10], snap(11, 3))
 
 
+def test_every_dtype_shape_and_layout_round_trips_bit_exact():
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 32, generator=g)
+    s = SwaSnapshot(B, {"fp8": base.to(torch.float8_e4m3fn), "bf16": base.to(torch.bfloat16),
+                        "f32_t": base.t(),  # not contiguous
+                        "empty": torch.zeros(0, 7), "flag": base > 0, "i64": torch.arange(5),
+                        "scalar": torch.tensor(3.5)}, {"nested": {"a": [1, 2]}})
+    pool = SwaSnapshotPool(BlockHasher(B), 1 << 20)
+    t = np.arange(B, dtype="<u4")
+    assert pool.put(key(), t, s)
+    got = pool.get(key(), t)
+    for name, want in s.tensors.items():
+        have = got.tensors[name]
+        assert have.dtype == want.dtype and have.shape == want.shape, name
+        assert torch.equal(have.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else have,
+                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want), name
+    assert got.meta == s.meta and got.meta is not s.meta
+
+
 def test_ttl_counts_from_the_last_use():
     clock = Clock()
     pool = SwaSnapshotPool(BlockHasher(B), 1 << 20, ttl_s=300, clock=clock)

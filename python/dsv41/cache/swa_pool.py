@@ -72,6 +72,52 @@ class SwaSnapshot:
         return SwaSnapshot(self.num_tokens, out, copy.deepcopy(self.meta))
 
 
+_ALIGN = 64  # every tensor starts 64-byte aligned inside the flat buffer (view(dtype) needs it)
+
+
+class _Packed:
+    """A snapshot held as one flat host buffer plus (name, dtype, shape, offset) per tensor:
+    put is one copy per tensor into a single allocation, get one copy of the whole buffer
+    and free views."""
+
+    __slots__ = ("num_tokens", "meta", "flat", "specs", "nbytes")
+
+    def __init__(self, snap: SwaSnapshot, pin: bool):
+        specs, off = [], 0
+        for name, t in snap.tensors.items():
+            n = t.numel() * t.element_size()
+            specs.append((name, t.dtype, tuple(t.shape), off, n))
+            off += -(-n // _ALIGN) * _ALIGN
+        self.flat = torch.empty(max(off, 1), dtype=torch.uint8, pin_memory=pin)
+        flat = self.flat.numpy()
+        for (name, _, _, o, n), t in zip(specs, snap.tensors.values()):
+            if not n:
+                continue
+            src = t.detach().contiguous().reshape(-1)
+            if src.dtype != torch.uint8:
+                src = src.view(torch.uint8)
+            if src.device.type == "cpu":
+                flat[o: o + n] = src.numpy()  # a plain memcpy (torch's copy_ may wake its thread pool)
+            else:
+                self.flat[o: o + n].copy_(src)
+        import copy
+        self.num_tokens, self.meta, self.specs, self.nbytes = snap.num_tokens, copy.deepcopy(snap.meta), specs, snap.nbytes
+
+    def unpack(self, device: str | torch.device = "cpu") -> SwaSnapshot:
+        tensors = {}
+        if torch.device(device).type == "cpu":
+            flat = self.flat.numpy().copy()
+            for name, dtype, shape, o, n in self.specs:
+                t = torch.from_numpy(flat[o: o + n].reshape(shape if dtype == torch.uint8 else -1))
+                tensors[name] = t if dtype == torch.uint8 else t.view(dtype).view(shape)
+        else:
+            flat = self.flat.to(device, non_blocking=self.flat.is_pinned())
+            for name, dtype, shape, o, n in self.specs:
+                tensors[name] = flat[o: o + n].view(dtype).view(shape)
+        import copy
+        return SwaSnapshot(self.num_tokens, tensors, copy.deepcopy(self.meta))
+
+
 class _Entry:
     __slots__ = ("key", "tokens", "snap", "nbytes", "atime", "anchor")
 
@@ -145,7 +191,7 @@ class SwaSnapshotPool:
         if nbytes > self.capacity_bytes:
             return False
         anchor = self._anchor(key, arr, hashes)
-        copy = snapshot.clone("cpu", pin=self.pin_memory)
+        copy = _Packed(snapshot, self.pin_memory)
         with self._lock:
             now = self.clock()
             for eid in list(self._by_anchor.get(anchor, ())):
@@ -206,7 +252,7 @@ class SwaSnapshotPool:
                     break
         if found is None:
             return None
-        out = found.clone(device)
+        out = found.unpack(device)
         self.metrics.bytes_read.inc(found.nbytes, tier="swa")
         self.metrics.snapshot_seconds.observe(time.perf_counter() - t0, op="get")
         return out
