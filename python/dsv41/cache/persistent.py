@@ -53,7 +53,7 @@ log = logging.getLogger("dsv41.cache.persistent")
 DURABILITY = ("fsync", "none")
 DEFAULT_TTL_S = 72 * 3600.0
 DEFAULT_SEGMENT_BYTES = 128 << 20
-_WRITE_CHUNK = 16 << 20
+_WRITE_CHUNK = 4 << 20
 _READ_BATCH = 64 << 20
 _GROUP_BYTES = 512 << 10  # contiguous records read by one op (several ops keep every I/O thread busy)
 _RECORD_STATUS = _io.RECORD_STATUS  # "ok", "truncated", "header", "checksum", "collision"
@@ -195,6 +195,7 @@ class PersistentStore:
         self.closed = False
         self._direct_seen: bool | None = None  # whether the filesystem took O_DIRECT
         self._gds_ok: bool | None = None
+        self._write_pool = None
         self._gds_files: dict[bytes, object] = {}
 
         t0 = time.perf_counter()
@@ -1034,6 +1035,13 @@ class PersistentStore:
         warnings.warn(f"persistent store {self.path}: batch not persisted ({e}); the memory tiers keep "
                       f"their blocks, SSD writes resume in {retry_after_s:.0f} s", RuntimeWarning, stacklevel=4)
 
+    def _writer(self):
+        """One background thread that writes a chunk while the next one is encoded."""
+        if self._write_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="dsv41-store-writer")
+        return self._write_pool
+
     def _hook(self, stage: str) -> None:
         if self._fault is not None:
             self._fault(stage)
@@ -1048,6 +1056,7 @@ class PersistentStore:
         tmp = self.path / f".tmp-{name}"
         f = self._eng.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, direct=self.direct)
         published = False
+        in_flight = None  # (future, staging item) of the chunk being written
         try:
             seg = _Seg(uuid, seq, name, 0)
             rows, keys, key_ix = [], [], {}
@@ -1067,10 +1076,10 @@ class PersistentStore:
                     chunk.append(it)
                     size += padded
                     pos += 1
+                # Encode this chunk while the previous one is being written (double buffering).
                 item = self._get_staging(size)
                 buf, view = item
                 try:
-                    view[:size] = 0
                     at = 0
                     for it in chunk:
                         if raw is not None:
@@ -1086,10 +1095,24 @@ class PersistentStore:
                         else:
                             at = self._encode(it, view, at, offset, rows, keys, key_ix, created)
                     self._hook("write")
-                    self._eng.write_all(f.fd, offset, buf, 0, size, str(tmp))
-                finally:
+                    fut = self._writer().submit(self._eng.write_all, f.fd, offset, buf, 0, size, str(tmp))
+                except BaseException:
                     self._put_staging(item)
+                    raise
+                if in_flight is not None:
+                    done, in_flight = in_flight, None
+                    try:
+                        done[0].result()
+                    finally:
+                        self._put_staging(done[1])
+                in_flight = (fut, item)
                 offset += size
+            if in_flight is not None:
+                done, in_flight = in_flight, None
+                try:
+                    done[0].result()
+                finally:
+                    self._put_staging(done[1])
             # Footer and trailer.
             entries = np.zeros(len(rows), dtype=sf.FOOTER_DTYPE)
             for j, (rid, parent, off, created, padded, bi, ki, h, rbytes) in enumerate(rows):
@@ -1128,6 +1151,12 @@ class PersistentStore:
                 self._fsync_dir()
             self._hook("published")
         except BaseException:
+            if in_flight is not None:  # let the last write finish before its fd is closed
+                try:
+                    in_flight[0].result()
+                except BaseException:
+                    pass
+                self._put_staging(in_flight[1])
             if f.fd >= 0:
                 os.close(f.fd)
             if not published:
@@ -1165,7 +1194,9 @@ class PersistentStore:
         base = at + sf.REC_HEADER_BYTES
         view[base: base + 4 * T] = p.tokens.view(np.uint8)
         view[base + 4 * T: base + 4 * T + K] = np.frombuffer(p.key, dtype=np.uint8)
+        view[base + 4 * T + K: at + po] = 0  # alignment gap before the payload
         view[at + po: at + po + P] = p.payload
+        view[at + rbytes: at + padded] = 0  # padding to the page
         data_crc = _io.crc32c(view[base: at + rbytes])
         head = sf.pack_record_header(record_id=p.rid, parent_id=p.parent, created_ns=created,
                                      block_index=p.block_index, token_count=T, key_bytes=K, payload_offset=po,
@@ -1534,6 +1565,9 @@ class PersistentStore:
                     os.close(fd)
                 self._fd_graveyard.clear()
                 self._gds_files.clear()
+            if self._write_pool is not None:
+                self._write_pool.shutdown(wait=True)
+                self._write_pool = None
             self._release_lock()
             self.closed = True
 
