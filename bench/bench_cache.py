@@ -26,6 +26,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,10 +64,16 @@ def best_of(fn, repeat: int) -> float:
 # ---- store vs raw ------------------------------------------------------------------------
 
 def bench_store(args, out: dict) -> None:
+    out["store"] = {}
+    for chain_tokens in args.chain_tokens:
+        bench_store_one(args, chain_tokens, out["store"])
+
+
+def bench_store_one(args, chain_tokens: int, results: dict) -> None:
     cfg = ModelConfig.preset(args.preset)
     layout = BlockLayout(cfg, args.block_tokens)
     P = layout.block_bytes
-    chain_blocks = args.chain_tokens // args.block_tokens
+    chain_blocks = chain_tokens // args.block_tokens
     n_chains = max(1, args.store_mb * (1 << 20) // (P * chain_blocks))
     n_blocks = n_chains * chain_blocks
     hasher = BlockHasher(args.block_tokens)
@@ -77,7 +84,7 @@ def bench_store(args, out: dict) -> None:
     log(f"store: {args.preset} blocks of {P:,} B, {n_chains} chains x {chain_blocks} blocks = "
         f"{n_blocks * P / 1e6:,.0f} MB of payload, in {root}")
     rng = np.random.default_rng(0)
-    tokens = [rng.integers(0, cfg.vocab_size, args.chain_tokens).astype("<u4") for _ in range(n_chains)]
+    tokens = [rng.integers(0, cfg.vocab_size, chain_tokens).astype("<u4") for _ in range(n_chains)]
     hashes = [hasher.hash_blocks(t, key) for t in tokens]
     payload = rng.integers(0, 256, (chain_blocks, P), dtype=np.uint8)  # reused per chain
     eng = cio.IOEngine(args.threads)
@@ -96,7 +103,7 @@ def bench_store(args, out: dict) -> None:
             assert all(e == 0 for _, e in eng.pwrite(ops))
             eng.fsync(f.fd)
             os.close(f.fd)
-            out["store"]["raw_direct"] = f.direct
+            results[str(chain_tokens)]["raw_direct"] = f.direct
 
         window, op_bytes = 64 << 20, 1 << 20
         wbuf, _ = cio.staging(window)
@@ -115,8 +122,9 @@ def bench_store(args, out: dict) -> None:
                 assert eng.pread([(f.fd, o, min(op_bytes, span - o), wbuf, 0)])[0][1] == 0
             os.close(f.fd)
 
-        out["store"] = {"preset": args.preset, "block_bytes": P, "blocks": n_blocks, "payload_bytes": raw_bytes,
-                        "chain_tokens": args.chain_tokens, "threads": args.threads, "dir": str(root)}
+        res = results[str(chain_tokens)] = {
+            "preset": args.preset, "block_bytes": P, "blocks": n_blocks, "payload_bytes": raw_bytes,
+            "chain_tokens": chain_tokens, "chain_bytes": chain_blocks * P, "threads": args.threads, "dir": str(root)}
         store_dir = root / "store"
 
         def store_write():
@@ -143,7 +151,10 @@ def bench_store(args, out: dict) -> None:
         log(f"write: raw {raw_bytes / t_raw_w / 1e9:.2f} GB/s, store {raw_bytes / t_st_w / 1e9:.2f} GB/s "
             f"({t_raw_w / t_st_w:.2f} x raw)")
         dst = np.empty((chain_blocks, P), np.uint8)
+        t0 = time.perf_counter()
         st = PersistentStore(store_dir, ident, engine=eng, mode="r")
+        t_open = time.perf_counter() - t0
+        log(f"open (index rebuild): {len(st):,} records in {t_open * 1e3:.1f} ms")
         token_rows = [t.reshape(chain_blocks, args.block_tokens) for t in tokens]
 
         def store_read():
@@ -164,7 +175,8 @@ def bench_store(args, out: dict) -> None:
         log(f"read: raw {raw_bytes / t_raw_r / 1e9:.2f} GB/s ({args.threads} threads, 64 MiB per call), raw sequential "
             f"{raw_bytes / t_seq_r / 1e9:.2f} GB/s (1 thread), store verified {raw_bytes / t_st_r / 1e9:.2f} GB/s "
             f"({t_raw_r / t_st_r:.2f} x raw, {t_seq_r / t_st_r:.2f} x sequential; per-run median {paired:.2f})")
-        out["store"].update({
+        res.update({
+            "open_seconds": t_open, "open_records": n_blocks,
             "file_bytes": file_bytes, "o_direct": eng.counters()["direct_ops"] > 0,
             "raw_write_gbps": raw_bytes / t_raw_w / 1e9, "raw_read_gbps": raw_bytes / t_raw_r / 1e9,
             "store_write_gbps": raw_bytes / t_st_w / 1e9, "store_read_gbps": raw_bytes / t_st_r / 1e9,
@@ -341,7 +353,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="v41-flash", help="model whose block size the store bench uses")
     p.add_argument("--block-tokens", type=int, default=64)
     p.add_argument("--store-mb", type=int, default=256, help="payload MB written and read")
-    p.add_argument("--chain-tokens", type=int, default=4096, help="tokens per stored prefix")
+    p.add_argument("--chain-tokens", type=int, nargs="+", default=[4096, 65536],
+                   help="tokens per stored prefix (one lookup loads one); several values: one run each")
     p.add_argument("--chains-per-commit", type=int, default=4)
     p.add_argument("--segment-mb", type=int, default=128)
     p.add_argument("--threads", type=int, default=4)
@@ -350,7 +363,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args(argv)
     sections = args.only or ["store", "lookup", "snapshot"] + (["device"] if args.device == "cuda" else [])
-    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit, "host": platform.node(),
            "cpus": os.cpu_count(), "torch": torch.__version__, "dsv41": dsv41.__version__,
            "io": cio.io_info(), "args": vars(args)}
     for name in sections:

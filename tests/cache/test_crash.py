@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from dsv41.cache.hashing import BlockHasher, decode_key
+from dsv41.cache.hashing import decode_key
 from dsv41.cache.persistent import PersistentStore
 
 from .helpers import B, chain_payloads, identity, key, load_all, token_rows, write_chain

@@ -12,7 +12,7 @@ from dsv41 import _C
 from dsv41.cache import CacheConfig, PrefixCache, io
 
 from ..conftest import requires_cuda
-from .helpers import B, LAYOUT, TINY, chain_payloads, key, rand_tokens
+from .helpers import B, LAYOUT, TINY, chain_payloads, rand_tokens
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

@@ -3,7 +3,6 @@ checks, TTL and LRU, GC, disk full, and corruption (flipped bytes, truncation, d
 files), which must be detected, counted, removed and never served."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import subprocess
@@ -19,7 +18,6 @@ from dsv41.cache import store_format as sf
 from dsv41.cache.errors import PayloadError, StoreError, StoreLockedError, StoreMismatchError, StoreReadOnlyError
 from dsv41.cache.hashing import BlockHasher
 from dsv41.cache.layout import BlockLayout
-from dsv41.cache.persistent import PersistentStore
 
 from .helpers import (B, LAYOUT, TINY, chain_payloads, identity, key, load_all, open_store, rand_tokens,
                       token_rows, weak_hash, write_chain)
