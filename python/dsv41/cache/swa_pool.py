@@ -82,22 +82,29 @@ class _Packed:
 
     __slots__ = ("num_tokens", "meta", "flat", "specs", "nbytes")
 
-    def __init__(self, snap: SwaSnapshot, pin: bool):
+    def __init__(self, snap: SwaSnapshot, pin: bool, spare: Callable[[int], torch.Tensor | None] = lambda n: None):
         specs, off = [], 0
         for name, t in snap.tensors.items():
             n = t.numel() * t.element_size()
             specs.append((name, t.dtype, tuple(t.shape), off, n))
             off += -(-n // _ALIGN) * _ALIGN
-        self.flat = torch.empty(max(off, 1), dtype=torch.uint8, pin_memory=pin)
+        reuse = spare(max(off, 1))  # a buffer of an evicted snapshot: its pages are already mapped
+        self.flat = reuse if reuse is not None else torch.empty(max(off, 1), dtype=torch.uint8, pin_memory=pin)
         flat = self.flat.numpy()
         for (name, _, _, o, n), t in zip(specs, snap.tensors.values()):
             if not n:
+                continue
+            if t.device.type == "cpu" and t.dim() and not t.requires_grad and t.is_contiguous():
+                # A plain memcpy, with as few torch calls as possible (each costs microseconds,
+                # and torch's copy_ may wake its thread pool).
+                src = t.numpy() if t.dtype == torch.uint8 else t.view(torch.uint8).numpy()
+                flat[o: o + n] = src.reshape(-1)
                 continue
             src = t.detach().contiguous().reshape(-1)
             if src.dtype != torch.uint8:
                 src = src.view(torch.uint8)
             if src.device.type == "cpu":
-                flat[o: o + n] = src.numpy()  # a plain memcpy (torch's copy_ may wake its thread pool)
+                flat[o: o + n] = src.numpy()
             else:
                 self.flat[o: o + n].copy_(src)
         import copy
@@ -144,6 +151,7 @@ class SwaSnapshotPool:
         self._by_anchor: dict[bytes, set[int]] = {}
         self._next_id = 1
         self.used_bytes = 0
+        self._spare: list[torch.Tensor] = []
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -159,8 +167,17 @@ class SwaSnapshotPool:
     def _expired(self, e: _Entry, now: float) -> bool:
         return self.ttl_s is not None and now - e.atime > self.ttl_s
 
+    def _take_spare(self, size: int) -> torch.Tensor | None:
+        with self._lock:
+            for i, t in enumerate(self._spare):
+                if t.numel() == size:
+                    return self._spare.pop(i)
+        return None
+
     def _remove(self, eid: int, cause: str) -> None:
         e = self._lru.pop(eid)
+        if len(self._spare) < 4:  # get() hands out copies, so nothing else refers to it
+            self._spare.append(e.snap.flat)
         ids = self._by_anchor.get(e.anchor)
         if ids is not None:
             ids.discard(eid)
@@ -191,7 +208,7 @@ class SwaSnapshotPool:
         if nbytes > self.capacity_bytes:
             return False
         anchor = self._anchor(key, arr, hashes)
-        copy = _Packed(snapshot, self.pin_memory)
+        copy = _Packed(snapshot, self.pin_memory, self._take_spare)
         with self._lock:
             now = self.clock()
             for eid in list(self._by_anchor.get(anchor, ())):
