@@ -651,42 +651,24 @@ def _v4_flash() -> ModelConfig:
     )
 
 
+def _v41_scaled(name: str, **dims: Any) -> ModelConfig:
+    """A scaled-down V4.1-Flash: Flash's constants (routing, clamps, eps, RoPE thetas,
+    candidate block size) with smaller dims and layer plan, and no draft layers."""
+    return dataclasses.replace(_v41_flash(), name=name, num_nextn_predict_layers=0,
+                               num_encoder_layers=None, **dims)
+
+
 def _v41_tiny() -> ModelConfig:
     """Unit tests: a full forward on CPU in milliseconds, same layer-plan shape as Flash.
     encoder [0 swa, 1 swa, 2 full r2, 3 reuse r2], decoder [4 full, 5 reuse, 6 reindex,
     7 reuse] at ratio 1."""
-    return ModelConfig(
-        name="v41-tiny",
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=8,
-        num_heads=4,
-        head_dim=64,
-        rope_head_dim=16,
-        q_lora_rank=32,
-        o_groups=2,
-        o_lora_rank=32,
-        moe_intermediate_size=32,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        scoring_func="sqrtsoftplus",
-        routed_scaling_factor=1.5,
-        swiglu_limit=10.0,
-        rms_norm_eps=1e-20,
-        rope_theta=10000.0,
-        compress_rope_theta=160000.0,
-        sliding_window=16,
-        compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1),
-        kv_source_layer_ids=(2, 4),
-        index_source_layer_ids=(2, 4, 6),
-        index_n_heads=2,
-        index_head_dim=32,
-        index_topk=8,
-        candidate_source_layer_id=4,
-        candidate_topk_blocks=4,
-        candidate_block_size=8,
-        max_position_embeddings=4096,
+    return _v41_scaled(
+        "v41-tiny", vocab_size=256, hidden_size=64, num_layers=8, num_heads=4, head_dim=64,
+        rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32, moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, sliding_window=16,
+        compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1), kv_source_layer_ids=(2, 4),
+        index_source_layer_ids=(2, 4, 6), index_n_heads=2, index_head_dim=32, index_topk=8,
+        candidate_source_layer_id=4, candidate_topk_blocks=4, max_position_embeddings=4096,
         rope_scaling={"factor": 4.0, "original_max_position_embeddings": 1024,
                       "beta_fast": DEFAULT_BETA_FAST, "beta_slow": DEFAULT_BETA_SLOW},
     )
@@ -696,37 +678,13 @@ def _v41_small() -> ModelConfig:
     """Benchmarks: runs on CPU at 16K tokens. encoder [0, 1 swa; 2 full + 3, 4 reuse;
     5 full + 6, 7 reuse] at ratio 2; decoder [8 full + 9-11 reuse; 12 reindex + 13-15
     reuse] at ratio 1."""
-    return ModelConfig(
-        name="v41-small",
-        vocab_size=1024,
-        hidden_size=256,
-        num_layers=16,
-        num_heads=8,
-        head_dim=128,
-        rope_head_dim=32,
-        q_lora_rank=128,
-        o_groups=4,
-        o_lora_rank=128,
-        moe_intermediate_size=128,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        scoring_func="sqrtsoftplus",
-        routed_scaling_factor=1.5,
-        swiglu_limit=10.0,
-        rms_norm_eps=1e-20,
-        rope_theta=10000.0,
-        compress_rope_theta=160000.0,
-        sliding_window=128,
-        compress_ratios=(0, 0) + (2,) * 6 + (1,) * 8,
-        kv_source_layer_ids=(2, 5, 8),
-        index_source_layer_ids=(2, 5, 8, 12),
-        index_n_heads=4,
-        index_head_dim=64,
-        index_topk=128,
-        candidate_source_layer_id=8,
-        candidate_topk_blocks=64,
-        candidate_block_size=8,
+    return _v41_scaled(
+        "v41-small", vocab_size=1024, hidden_size=256, num_layers=16, num_heads=8, head_dim=128,
+        rope_head_dim=32, q_lora_rank=128, o_groups=4, o_lora_rank=128,
+        moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+        sliding_window=128, compress_ratios=(0, 0) + (2,) * 6 + (1,) * 8,
+        kv_source_layer_ids=(2, 5, 8), index_source_layer_ids=(2, 5, 8, 12), index_n_heads=4,
+        index_head_dim=64, index_topk=128, candidate_source_layer_id=8, candidate_topk_blocks=64,
         max_position_embeddings=65536,
         rope_scaling={"factor": 4.0, "original_max_position_embeddings": 16384,
                       "beta_fast": DEFAULT_BETA_FAST, "beta_slow": DEFAULT_BETA_SLOW},
