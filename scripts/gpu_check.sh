@@ -23,13 +23,17 @@ fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 
 step() { printf '\n=== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
+# One deadline for the whole script (default 460 s), so it ends inside 8 minutes whatever
+# a step does: each step gets at most what is left.
+deadline=$(( $(date +%s) + ${DSV41_GPU_CHECK_SECONDS:-460} ))
+left() { local l=$(( deadline - $(date +%s) )); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo "$l"; }
 
 step "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/nvidia-smi.csv"
 
 step "build"
 t0=$(date +%s)
-timeout 240 "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1
+timeout "$(left 200)" "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1
 build_rc=$?
 build_s=$(( $(date +%s) - t0 ))
 tail -3 "$OUT/build.log"
@@ -38,7 +42,7 @@ echo "build rc=$build_rc in ${build_s}s"
 step "tests"
 test_rc=1
 if [ "$build_rc" = 0 ]; then
-  timeout 240 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+  timeout "$(left 200)" "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" tests 2>&1 | tee "$OUT/pytest.log" | tail -25
   test_rc=${PIPESTATUS[0]}
 fi
 
@@ -49,7 +53,7 @@ if [ "$build_rc" = 0 ]; then
   for b in bench/bench_*.py; do
     name="$(basename "$b" .py)"
     if "$PY" "$b" --help 2>/dev/null | grep -q -- "--device"; then
-      timeout 120 "$PY" "$b" --device cuda --json "$OUT/$name.json" >/dev/null 2>"$OUT/$name.log" || bench_rc=1
+      timeout "$(left 120)" "$PY" "$b" --device cuda --json "$OUT/$name.json" >/dev/null 2>"$OUT/$name.log" || bench_rc=1
       tail -20 "$OUT/$name.log"
     fi
   done
