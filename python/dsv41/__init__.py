@@ -22,6 +22,7 @@ from . import formats, ops  # noqa: E402
 from ._build import build_info  # noqa: E402
 from .budget import KVBudget, kv_budget  # noqa: E402
 from .config import ConfigError, LayerPlan, ModelConfig  # noqa: E402
+from .model import Model, SequenceState  # noqa: E402
 
 __all__ = ["__version__", "build_info", "formats", "ops", "ModelConfig", "LayerPlan",
-           "ConfigError", "kv_budget", "KVBudget"]
+           "ConfigError", "kv_budget", "KVBudget", "Model", "SequenceState"]

@@ -1,0 +1,123 @@
+"""The CSA2 attention block of one layer (SPEC section 2).
+
+Query path: q-lora (`wq_a`, `q_norm`, `wq_b`), a weightless per-head RMSNorm, RoPE on the
+last rope_head_dim dims. SWA path: every layer projects its own SWA KV (`wkv`, `kv_norm`,
+RoPE at the token's position) and stores it in FP8 before reading it. Global path (ratio
+> 0): the Full layer's compressor appends NVFP4 entries (and indexer keys); the top-k
+comes from this layer's indexer (Full, Reindex) or from its index source (Reuse). One
+softmax per query over the SWA window and the selected entries, MQA with the 512-dim
+entry as key and value, a per-head attention sink; inverse RoPE on the output's RoPE dims
+at the query position; the grouped low-rank output projection (`wo_a` per group of
+heads, then `wo_b`).
+
+Mode by layer plan: SWA-only (ratio 0) has no global path; Full owns `compressor` and
+`indexer` (with the key projection); Reindex owns `indexer` without keys; Reuse owns
+neither and reads its sources' state.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import formats, ops
+from ..config import LayerPlan, ModelConfig
+from .compressor import Compressor
+from .context import ForwardContext, swa_index
+from .indexer import Indexer
+from .layers import Linear, RMSNorm, as_f64, rms_normalize
+from .rope import Rope
+
+__all__ = ["Attention"]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, plan: LayerPlan, *, indexer_rotation: bool = True):
+        super().__init__()
+        c = config
+        self.config, self.plan, self.layer = c, plan, plan.layer
+        H, D = c.num_heads, c.head_dim
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = Linear(c.q_lora_rank, H * D)
+        self.wkv = Linear(c.hidden_size, D)
+        self.kv_norm = RMSNorm(D, c.rms_norm_eps)
+        self.wo_a = Linear(H * D // c.o_groups, c.o_groups * c.o_lora_rank)
+        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size)
+        self.attn_sink = nn.Parameter(torch.empty(H), requires_grad=False)
+        if plan.owns_kv:
+            self.compressor = Compressor(c, plan.layer)
+        if plan.owns_index_query:
+            self.indexer = Indexer(c, plan, rotate=indexer_rotation)
+        self.rope = Rope.for_layer(c, plan.compress_ratio)
+        self.softmax_scale = D ** -0.5
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """Grouped low-rank output: heads split into o_groups groups, each projected by its
+        own [o_lora_rank, heads/group * D] block of wo_a, then wo_b. o [T,H,D] -> [T,hidden]."""
+        c = self.config
+        G, R = c.o_groups, c.o_lora_rank
+        grouped = o.double().reshape(o.shape[0], G, -1).transpose(0, 1)  # [G, T, H*D/G]
+        wa = as_f64(self.wo_a.weight).view(G, R, -1)                     # [G, R, H*D/G]
+        mid = torch.bmm(grouped, wa.transpose(1, 2)).transpose(0, 1)     # [T, G, R]
+        return self.wo_b(mid.reshape(o.shape[0], G * R).float())
+
+    def queries(self, x: torch.Tensor, positions: torch.Tensor):
+        c = self.config
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b.forward_f64(qr).view(x.shape[0], c.num_heads, c.head_dim)
+        q = rms_normalize(q, c.rms_norm_eps).float()
+        return qr, self.rope.rotate(q, positions)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext,
+                kv_input: torch.Tensor | None = None) -> torch.Tensor:
+        """x [total tokens, hidden] (the normalized layer input) -> [total tokens, hidden].
+
+        kv_input: what the compressor projects (default x). The decoder's Full layer is
+        given attn_norm(H_enc); both are the same tensor in a plain forward."""
+        c, p = self.config, self.plan
+        pos = ctx.positions
+        qr, q = self.queries(x, pos)
+        swa = self.rope.rotate(self.kv_norm(self.wkv(x)), pos)
+        swa_values, swa_scales = formats.quantize_fp8_swa(swa)
+        if p.owns_kv:
+            self.compressor.append(x if kv_input is None else kv_input, ctx, self.rope,
+                                   getattr(self, "indexer", None) if p.owns_indexer_keys else None)
+        use_index = p.owns_index_query and not ctx.dense
+        if use_index:
+            iq_codes, iq_scales, iw = self.indexer.queries(x, qr, pos)
+        W = c.sliding_window
+        sink = self.attn_sink.detach().float()
+        outs = []
+        for seg in ctx.segments:
+            rows, st = seg.rows, seg.state
+            seg.swa_new[self.layer] = (swa_values[rows], swa_scales[rows])
+            buf_values = torch.cat((st.swa_values[self.layer], swa_values[rows]))
+            buf_scales = torch.cat((st.swa_scales[self.layer], swa_scales[rows]))
+            sidx = swa_index(seg.start, seg.length, W, seg.swa_start, device=x.device)
+            if p.compress_ratio == 0:
+                kv_codes = torch.zeros(0, c.head_dim // 2, dtype=torch.uint8, device=x.device)
+                kv_scales = torch.zeros(0, c.head_dim // 16, dtype=torch.float8_e4m3fn,
+                                        device=x.device)
+                kidx = torch.zeros(seg.length, 0, dtype=torch.int32, device=x.device)
+            else:
+                kv_codes, kv_scales = st.main_kv[p.kv_source].rows()
+                if ctx.dense:
+                    visible = (seg.positions + 1) // p.compress_ratio
+                    out, _ = ops.dense_attention(q[rows], buf_values, buf_scales, sidx, kv_codes,
+                                                 kv_scales, visible, sink, self.softmax_scale)
+                    outs.append(out)
+                    ctx.record(self.layer, swa_idx=sidx, kv_visible=visible)
+                    continue
+                if use_index:
+                    kidx = self.indexer.select(seg, iq_codes[rows], iq_scales[rows], iw[rows])
+                    seg.topk[self.layer] = kidx
+                    ctx.record(self.layer, index_q=(iq_codes[rows], iq_scales[rows]),
+                               index_w=iw[rows], candidates=seg.candidates)
+                else:
+                    kidx = seg.topk[p.index_source]
+            out, _ = ops.sparse_attention(q[rows], buf_values, buf_scales, sidx, kv_codes,
+                                          kv_scales, kidx, sink, self.softmax_scale)
+            outs.append(out)
+            ctx.record(self.layer, q=q[rows], swa_idx=sidx, kv_idx=kidx, attn=out)
+        o = self.rope.rotate(torch.cat(outs), pos, inverse=True)
+        return self.project_out(o)

@@ -1,0 +1,133 @@
+"""Checkpoints: `config.json` + safetensors shards + `model.safetensors.index.json`.
+
+Layout (Hugging Face style): config.json holds `ModelConfig.to_hf_dict()` plus a `dsv41`
+section (format version, model options); weights are float32 safetensors shards named
+model-00001-of-0000N.safetensors, each at most `max_shard_bytes` (a tensor larger than
+that gets a shard of its own), and the index maps every tensor name to its shard. Loading
+also accepts a single `model.safetensors` without an index.
+
+Loading checks the names and shapes of every tensor against the model the config builds
+and fails with an error naming the missing, unexpected or mis-shaped tensors.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config import ModelConfig
+
+__all__ = ["CheckpointError", "save_pretrained", "load_pretrained", "CONFIG_NAME", "INDEX_NAME"]
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model its config describes."""
+
+
+def _names(names, limit: int = 8) -> str:
+    names = sorted(names)
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = 2 << 30) -> None:
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if model.embed.weight.is_meta:
+        raise RuntimeError("save_pretrained: the weights are on the meta device")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_hf_dict()
+    cfg["dsv41"] = {"format_version": FORMAT_VERSION, "model_options": model.options,
+                    "torch_dtype": "float32"}
+    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    n = len(shards)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _weight_map(directory: Path) -> dict[str, str]:
+    if (directory / INDEX_NAME).exists():
+        index = json.loads((directory / INDEX_NAME).read_text())
+        if not isinstance(index.get("weight_map"), dict):
+            raise CheckpointError(f"{directory / INDEX_NAME}: no 'weight_map' dict")
+        return dict(index["weight_map"])
+    if (directory / SINGLE_NAME).exists():
+        with safe_open(str(directory / SINGLE_NAME), framework="pt") as f:
+            return {k: SINGLE_NAME for k in f.keys()}
+    raise CheckpointError(f"{directory}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+
+
+def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu"):
+    directory = Path(directory)
+    if not (directory / CONFIG_NAME).exists():
+        raise CheckpointError(f"{directory}: no {CONFIG_NAME}")
+    raw = json.loads((directory / CONFIG_NAME).read_text())
+    config = ModelConfig.from_dict(raw)
+    options = dict(raw.get("dsv41", {}).get("model_options", {}))
+    with torch.device("meta"):
+        model = cls(config, **options)
+    expected = {name: p for name, p in model.state_dict().items()}
+    weight_map = _weight_map(directory)
+    missing = set(expected) - set(weight_map)
+    extra = set(weight_map) - set(expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {_names(missing)}")
+        if extra:
+            parts.append(f"unexpected tensors: {_names(extra)}")
+        raise CheckpointError(f"{directory}: checkpoint does not match config "
+                              f"{config.name!r}: " + "; ".join(parts))
+    files: dict[str, list[str]] = {}
+    for name, fname in weight_map.items():
+        files.setdefault(fname, []).append(name)
+    for fname, names in files.items():
+        if not (directory / fname).exists():
+            raise CheckpointError(f"{directory}: shard {fname} (holding {_names(names, 3)}) "
+                                  f"is missing")
+    model = model.to_empty(device=device)
+    params = model.state_dict()
+    with torch.no_grad():
+        for fname, names in files.items():
+            with safe_open(str(directory / fname), framework="pt") as f:
+                present = set(f.keys())
+                for name in names:
+                    if name not in present:
+                        raise CheckpointError(f"{fname}: the index lists tensor {name!r} in this "
+                                              f"shard, but it is not there")
+                    t = f.get_tensor(name)
+                    want = params[name]
+                    if tuple(t.shape) != tuple(want.shape):
+                        raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, "
+                                              f"expected {tuple(want.shape)}")
+                    if not t.is_floating_point():
+                        raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, expected a "
+                                              f"floating dtype (float32)")
+                    want.copy_(t.to(torch.float32))
+    return model

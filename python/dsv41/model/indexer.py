@@ -1,0 +1,110 @@
+"""The lightning indexer: which global entries each query attends to (SPEC section 2).
+
+Keys (owned by the Full layer): k = RMSNorm(W_k latent) from the compressor's normalized
+entry (Linear head_dim -> index_head_dim, `k_norm`), RoPE at the entry's first position,
+the optional Hadamard rotation, MXFP4. Queries (every Full and Reindex layer):
+q = W_q' qr (from the layer's q-lora latent, `index_n_heads` heads), RoPE at the query
+position, the optional rotation, MXFP4; head weights w = W_w x * (Di * Hi)^-1/2.
+Score I_j = sum_h w_h ReLU(q_h . k_j) over MXFP4-dequantized q and k.
+
+Selection: a Full layer takes the top-k over every visible entry (a query at position i
+sees floor((i+1)/m) entries); the candidate source layer also keeps the top blocks of 8
+positions (max score per block, the newest block always kept) as the candidate pool;
+a Reindex layer scores only that pool and takes its own top-k. Reuse layers use the top-k
+of their index source.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .. import formats, ops
+from ..config import MODE_FULL, MODE_REINDEX, LayerPlan, ModelConfig
+from .context import Segment
+from .layers import Linear, RMSNorm
+from .rope import Rope
+
+__all__ = ["Indexer", "hadamard"]
+
+# Query rows per scoring call: bounds the [rows, entries] score matrix at long lengths.
+_SCORE_ELEMS = 1 << 23
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_matrix(n: int) -> torch.Tensor:
+    if n & (n - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two dim, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / n ** 0.5
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x @ H / sqrt(n) over the last dim (Sylvester order; orthonormal), float32 out."""
+    return torch.matmul(x.double(), _hadamard_matrix(x.shape[-1]).to(x.device)).float()
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: ModelConfig, plan: LayerPlan, *, rotate: bool):
+        super().__init__()
+        c = config
+        self.config, self.plan, self.rotate = c, plan, rotate
+        self.wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim)
+        self.weights_proj = Linear(c.hidden_size, c.index_n_heads)
+        if plan.owns_indexer_keys:
+            self.wk = Linear(c.head_dim, c.index_head_dim)
+            self.k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps)
+        self.rope = Rope.for_layer(c, plan.compress_ratio)
+        self.weight_scale = (c.index_head_dim * c.index_n_heads) ** -0.5
+
+    def _finish(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.rope.rotate(x, pos)
+        if self.rotate:
+            x = hadamard(x)
+        return formats.quantize_mxfp4(x)
+
+    def keys(self, latent: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MXFP4 keys (codes, scales) of normalized entries latent [n, D] at positions pos."""
+        return self._finish(self.k_norm(self.wk(latent)), pos)
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor):
+        """MXFP4 queries (codes [T,Hi,Di/2], scales [T,Hi,Di/32]) and head weights [T,Hi]."""
+        c = self.config
+        q = self.wq_b(qr).view(-1, c.index_n_heads, c.index_head_dim)
+        codes, scales = self._finish(q, pos)
+        w = (self.weights_proj.forward_f64(x) * self.weight_scale).float()
+        return codes, scales, w
+
+    def select(self, seg: Segment, q_codes, q_scales, w) -> torch.Tensor:
+        """This layer's top-k entry ids [T, index_topk] int32 (ascending, -1 padded) for
+        one segment; the candidate source also stores the segment's candidate pool."""
+        c, p = self.config, self.plan
+        k_codes, k_scales = seg.state.index_keys[p.index_key_source].rows()
+        visible = (seg.positions + 1) // p.compress_ratio
+        T = seg.length
+        if p.mode == MODE_FULL:
+            is_source = p.layer == c.candidate_source_layer_id
+            step = max(1, _SCORE_ELEMS // max(1, k_codes.shape[0]))
+            idx, cands = [], []
+            for t0 in range(0, T, step):
+                rows = slice(t0, min(T, t0 + step))
+                scores = ops.indexer_scores(q_codes[rows], q_scales[rows], w[rows], k_codes,
+                                            k_scales)
+                idx.append(ops.topk_visible(scores, visible[rows], c.index_topk))
+                if is_source:
+                    cands.append(ops.candidate_blocks(scores, visible[rows],
+                                                      c.candidate_block_size,
+                                                      c.candidate_topk_blocks))
+            if is_source:
+                seg.candidates = torch.cat(cands)
+            return torch.cat(idx)
+        if p.mode != MODE_REINDEX or seg.candidates is None:
+            raise RuntimeError(f"layer {p.layer}: no candidate pool for a {p.mode} layer")
+        cands = seg.candidates
+        scores = ops.indexer_scores_at(q_codes, q_scales, w, k_codes, k_scales, cands)
+        chosen = ops.topk_visible(scores, (cands >= 0).sum(1), c.index_topk)
+        picked = cands.gather(1, chosen.clamp(min=0).long())
+        return torch.where(chosen >= 0, picked, -1)

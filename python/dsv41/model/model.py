@@ -1,0 +1,291 @@
+"""DeepSeek-V4.1-Flash as a torch module with an explicit, stored-format KV state.
+
+    model = Model.synthetic(ModelConfig.preset("v41-tiny"), seed=0)
+    state = model.new_state()
+    logits = model.prefill(prompt_ids, state)                  # [vocab], last token
+    logits = model.decode_step(next_id, state)                 # [vocab]
+    all_lp = model.prefill(more_ids, state, return_all_logits=True)   # [T, vocab]
+    outs = model.prefill_batch([ids_a, ids_b], [state_a, state_b])     # list of [vocab]
+    model.save_pretrained(path); Model.from_pretrained(path)
+
+The network: embedding; 40 pre-norm residual blocks (attention + MoE), the first
+num_encoder_layers forming the causal encoder, the rest the decoder; final RMSNorm; head.
+The decoder's global KV is projected from the encoder's final hidden state H_enc (the
+residual stream after the last encoder layer) by the decoder's Full layer only:
+C = compressor(attn_norm(H_enc)). Engram, mHC, the draft (MTP) layers and vision are not
+modelled (docs/model.md).
+
+Every call validates its inputs before touching a state; a call that fails mid-way rolls
+its staged writes back, so a state is only ever advanced by a whole call.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import MODE_FULL, PART_DECODER, ModelConfig
+from .attention import Attention
+from .context import ForwardContext, Segment
+from .layers import Embedding, Linear, RMSNorm
+from .moe import MoE
+from .state import SequenceState
+
+__all__ = ["Block", "Model"]
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+class Block(nn.Module):
+    """One pre-norm residual layer: h += attn(attn_norm(h)); h += ffn(ffn_norm(h))."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, indexer_rotation: bool):
+        super().__init__()
+        plan = config.layer_plan()[layer]
+        self.layer = layer
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, plan, indexer_rotation=indexer_rotation)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = MoE(config)
+
+
+class Model(nn.Module):
+    """The V4.1 model. Parameter names follow the public checkpoint layout (docs/model.md).
+
+    Options (saved with the checkpoint, part of the state's identity because they change
+    stored bytes): indexer_rotation - Hadamard-rotate indexer queries and keys before
+    MXFP4 quantization (default True, as in V4).
+    Runtime switch: `dense_attention = True` makes every compressing layer attend to all of
+    its visible global entries instead of the top-k (the benchmark's dense baseline).
+    """
+
+    def __init__(self, config: ModelConfig, *, indexer_rotation: bool = True):
+        super().__init__()
+        _check_supported(config, indexer_rotation)
+        self.config = config
+        self.options = {"indexer_rotation": bool(indexer_rotation)}
+        self.dense_attention = False
+        self.embed = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i, indexer_rotation=indexer_rotation)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = Linear(config.hidden_size, config.vocab_size)
+        self._decoder_full = next(
+            (p.layer for p in config.layer_plan()
+             if p.part == PART_DECODER and p.mode == MODE_FULL), None)
+
+    # ---- construction -----------------------------------------------------------------
+
+    @classmethod
+    def synthetic(cls, config: ModelConfig, seed: int = 0, *, device: str | torch.device = "cpu",
+                  **options) -> "Model":
+        """A model with deterministic synthetic weights (see `init_synthetic`)."""
+        with torch.device("meta"):
+            model = cls(config, **options)
+        model = model.to_empty(device=device)
+        model.init_synthetic(seed)
+        return model
+
+    def init_synthetic(self, seed: int) -> "Model":
+        from .synthetic import init_synthetic
+        init_synthetic(self, seed)
+        return self
+
+    def save_pretrained(self, directory: str | Path, *, max_shard_bytes: int = 2 << 30) -> None:
+        from .checkpoint import save_pretrained
+        save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu"
+                        ) -> "Model":
+        from .checkpoint import load_pretrained
+        return load_pretrained(cls, directory, device=device)
+
+    def new_state(self) -> SequenceState:
+        return SequenceState(self.config, device=self.device, options=self.options)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def kv_fingerprint(self) -> str:
+        """The config fingerprint, extended by the options that change stored bytes: the
+        key under which this model's KV may be cached and shared."""
+        import hashlib
+        import json
+        blob = json.dumps({"config": self.config.fingerprint(), "options": self.options},
+                          sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    # ---- public forward API -----------------------------------------------------------
+
+    def prefill(self, tokens, state: SequenceState, *, return_all_logits: bool = False,
+                trace: dict | None = None) -> torch.Tensor:
+        """Run new tokens (one or more) through the model, extending `state`.
+
+        Returns the last token's logits [vocab] (float32), or every new token's logits
+        [T, vocab] with return_all_logits=True. `trace`, if a dict, receives per-layer
+        records (index lists, queries, attention outputs, hidden states) for tests/tools.
+        """
+        segs = self._segments([tokens], [state])
+        return self._run(segs, [return_all_logits], trace=trace)[0]
+
+    def decode_step(self, token, state: SequenceState) -> torch.Tensor:
+        """One token (an int or a 0-d/1-element tensor) -> its logits [vocab]."""
+        return self.prefill(_one_token(token), state)
+
+    def prefill_batch(self, tokens: Sequence, states: Sequence[SequenceState], *,
+                      return_all_logits: bool = False) -> list[torch.Tensor]:
+        """prefill over several sequences (any lengths and positions) in one pass; the
+        result for each equals running it alone."""
+        if len(tokens) != len(states):
+            raise ValueError(f"prefill_batch: {len(tokens)} token lists for {len(states)} states")
+        segs = self._segments(list(tokens), list(states))
+        return self._run(segs, [return_all_logits] * len(segs))
+
+    def decode_batch(self, tokens, states: Sequence[SequenceState]) -> torch.Tensor:
+        """One token per sequence -> logits [B, vocab]."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = list(tokens.reshape(-1))
+        if len(tokens) != len(states):
+            raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(states)} states")
+        return torch.stack(self.prefill_batch([_one_token(t) for t in tokens], states))
+
+    # ---- validation -------------------------------------------------------------------
+
+    def _segments(self, token_lists: list, states: list) -> list[Segment]:
+        if not states:
+            raise ValueError("no sequences given")
+        if self.embed.weight.is_meta:
+            raise RuntimeError("the model's weights are on the meta device: load them "
+                               "(from_pretrained) or initialise them (init_synthetic) first")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("the same state appears twice in one batch")
+        segs, offset = [], 0
+        for b, (tokens, state) in enumerate(zip(token_lists, states)):
+            where = f"sequence {b}: " if len(states) > 1 else ""
+            ids = self._check_tokens(tokens, where)
+            self._check_state(state, ids.shape[0], where)
+            segs.append(Segment(state, ids.to(self.device), offset))
+            offset += ids.shape[0]
+        return segs
+
+    def _check_tokens(self, tokens, where: str) -> torch.Tensor:
+        if isinstance(tokens, torch.Tensor):
+            if tokens.dtype not in _INT_DTYPES:
+                raise TypeError(f"{where}token ids must be an integer tensor, got {tokens.dtype}")
+            if tokens.dim() != 1:
+                raise ValueError(f"{where}token ids must be a 1-d tensor, got shape "
+                                 f"{tuple(tokens.shape)}")
+            ids = tokens.detach().to("cpu", torch.int64)
+        elif isinstance(tokens, (list, tuple)):
+            for i, t in enumerate(tokens):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise TypeError(f"{where}token {i} is {t!r} ({type(t).__name__}), not an int")
+            ids = torch.tensor(list(tokens), dtype=torch.int64)
+        else:
+            raise TypeError(f"{where}tokens must be a list of ints or a 1-d integer tensor, "
+                            f"got {type(tokens).__name__}")
+        if ids.numel() == 0:
+            raise ValueError(f"{where}empty prompt: at least one token is needed")
+        bad = ((ids < 0) | (ids >= self.config.vocab_size)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"{where}token id {int(ids[i])} at index {i} is outside the "
+                             f"vocabulary [0, {self.config.vocab_size})")
+        return ids
+
+    def _check_state(self, state, n_new: int, where: str) -> None:
+        if not isinstance(state, SequenceState):
+            raise TypeError(f"{where}state must be a SequenceState (model.new_state()), "
+                            f"got {type(state).__name__}")
+        if state.config_fingerprint != self.config.fingerprint():
+            raise ValueError(f"{where}the state belongs to model config {state.config.name!r} "
+                             f"(fingerprint {state.config_fingerprint[:12]}), not to this "
+                             f"model's {self.config.name!r} "
+                             f"({self.config.fingerprint()[:12]})")
+        if state.options != self.options:
+            raise ValueError(f"{where}the state was built with model options {state.options}, "
+                             f"this model uses {self.options}")
+        if state.device != self.device:
+            raise ValueError(f"{where}the state is on {state.device}, the model on {self.device}")
+        limit = self.config.max_position_embeddings
+        if state.position + n_new > limit:
+            raise ValueError(f"{where}{n_new} new tokens after {state.position} would reach "
+                             f"position {state.position + n_new}, past the maximum length "
+                             f"{limit} (max_position_embeddings)")
+
+    # ---- the forward pass -------------------------------------------------------------
+
+    @torch.no_grad()
+    def _run(self, segs: list[Segment], all_logits: list[bool], *, trace: dict | None = None
+             ) -> list[torch.Tensor]:
+        if trace is not None and len(segs) != 1:
+            raise ValueError("trace is supported for one sequence at a time")
+        ctx = ForwardContext.build(segs, dense=self.dense_attention, trace=trace)
+        try:
+            h = self.embed(torch.cat([s.tokens for s in segs]))
+            for block in self.layers:
+                x = block.attn_norm(h)
+                kv_input = None
+                if block.layer == self._decoder_full:
+                    # The decoder's global KV is a function of the encoder's final hidden
+                    # state h (= H_enc here) only: its compressor reads attn_norm(H_enc).
+                    # In a plain forward that is x itself; replay passes a longer H_enc.
+                    ctx.record(block.layer, h_enc=h)
+                    kv_input = x
+                h = h + block.attn(x, ctx, kv_input)
+                h = h + block.ffn(block.ffn_norm(h))
+                ctx.record(block.layer, hidden=h)
+            rows = torch.cat([
+                torch.arange(s.rows.start, s.rows.stop) if want
+                else torch.tensor([s.rows.stop - 1])
+                for s, want in zip(segs, all_logits)]).to(h.device)
+            logits = self.head(self.norm(h.index_select(0, rows)))
+        except BaseException:
+            for s in segs:
+                s.state._rollback()
+            raise
+        out, at = [], 0
+        for s, want in zip(segs, all_logits):
+            s.commit()
+            n = s.length if want else 1
+            out.append(logits[at:at + n] if want else logits[at])
+            at += n
+        return out
+
+    def extra_repr(self) -> str:
+        return f"config={self.config.name!r}, options={self.options}"
+
+
+def _one_token(token) -> list[int]:
+    if isinstance(token, torch.Tensor):
+        if token.numel() != 1:
+            raise ValueError(f"decode needs exactly one token, got shape {tuple(token.shape)}")
+        if token.dtype not in _INT_DTYPES:
+            raise TypeError(f"token ids must be integers, got {token.dtype}")
+        return [int(token.reshape(()))]
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise TypeError(f"a token id must be an int, got {token!r} ({type(token).__name__})")
+    return [token]
+
+
+def _check_supported(config: ModelConfig, indexer_rotation: bool) -> None:
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    if config.main_kv_format != "nvfp4":
+        raise ValueError(f"config {config.name!r}: main_kv_format {config.main_kv_format!r} is "
+                         f"only for byte accounting; the model stores NVFP4 main KV")
+    if config.dense_compress_ratios:
+        raise ValueError(f"config {config.name!r}: dense_compress_ratios (V4's HCA layers) are "
+                         f"not part of the V4.1 model")
+    if config.rope_head_dim >= config.index_head_dim:
+        raise ValueError(f"config {config.name!r}: rope_head_dim={config.rope_head_dim} must be "
+                         f"smaller than index_head_dim={config.index_head_dim} (indexer RoPE)")
+    if config.index_head_dim % 32:
+        raise ValueError(f"index_head_dim={config.index_head_dim} is not a multiple of 32")
+    n = config.index_head_dim
+    if indexer_rotation and n & (n - 1):
+        raise ValueError(f"indexer_rotation needs a power-of-two index_head_dim, got {n}")

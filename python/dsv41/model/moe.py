@@ -1,0 +1,90 @@
+"""Mixture of experts: routed experts chosen by a sqrtsoftplus gate, plus shared experts.
+
+Gate: scores = sqrt(softplus(W_g x)); the experts with the best scores + bias are chosen
+(the bias only steers the choice, as in DeepSeek-V3's noaux routing; ties go to the lower
+expert id); their unbiased scores are normalized to sum to 1 and scaled by
+routed_scaling_factor. Experts are SwiGLU MLPs w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))
+with L = swiglu_limit. The shared expert (n_shared_experts of them fused into one MLP of
+n_shared * moe_intermediate_size) sees every token.
+
+V4's hash-routed first layers are not modelled: every layer uses the learned gate.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import Linear, as_f64
+
+__all__ = ["Gate", "Expert", "MoE"]
+
+
+class Gate(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.topk, self.route_scale = c.num_experts_per_tok, c.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(c.n_routed_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] f32 -> expert ids [T, k] int64 (best first), weights [T, k] f64."""
+        logits = torch.matmul(x.double(), as_f64(self.weight).T).float().double()
+        scores = torch.sqrt(F.softplus(logits))
+        order = torch.sort(scores + as_f64(self.bias), dim=-1, descending=True, stable=True)
+        ids = order.indices[:, :self.topk]
+        weights = scores.gather(1, ids)
+        weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
+        return ids, weights
+
+
+class Expert(nn.Module):
+    def __init__(self, dim: int, inter: int, swiglu_limit: float):
+        super().__init__()
+        self.w1 = Linear(dim, inter)
+        self.w2 = Linear(inter, dim)
+        self.w3 = Linear(dim, inter)
+        self.limit = swiglu_limit
+
+    def forward_f64(self, x64: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w1.forward_f64(x64), self.w3.forward_f64(x64)
+        if self.limit > 0:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(-self.limit, self.limit)
+        return self.w2.forward_f64(F.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_f64(x.double()).float()
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.gate = Gate(c)
+        self.experts = nn.ModuleList(
+            Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit)
+            for _ in range(c.n_routed_experts))
+        if c.n_shared_experts:
+            self.shared_experts = Expert(c.hidden_size,
+                                         c.n_shared_experts * c.moe_intermediate_size,
+                                         c.swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        x64 = x.double()
+        T, k = ids.shape
+        routed = torch.zeros(T, k, x.shape[1], dtype=torch.float64, device=x.device)
+        for e in torch.unique(ids).tolist():
+            rows, slots = (ids == e).nonzero(as_tuple=True)
+            out = self.experts[e].forward_f64(x64.index_select(0, rows))
+            routed[rows, slots] = out * weights[rows, slots, None]
+        y = routed[:, 0]
+        for s in range(1, k):  # fixed summation order: best expert first
+            y = y + routed[:, s]
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts.forward_f64(x64)
+        return y.float()

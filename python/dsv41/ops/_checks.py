@@ -1,0 +1,103 @@
+"""Argument checks of the attention and indexer ops, shared by the real and the fake kernels
+so that a bad call fails the same way eagerly and under torch.compile."""
+from __future__ import annotations
+
+import torch
+
+_UE8M0 = (torch.uint8, torch.float8_e8m0fnu)
+
+
+def _fail(op: str, msg: str, exc=ValueError):
+    raise exc(f"{op}: {msg}")
+
+
+def _tensor(op, name, t, dtypes, dim):
+    if not isinstance(t, torch.Tensor):
+        _fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    if t.dtype not in dtypes:
+        allowed = " or ".join(str(d) for d in dtypes)
+        _fail(op, f"{name} must be {allowed}, got {t.dtype}", TypeError)
+    if t.dim() != dim:
+        _fail(op, f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _same_device(op, **tensors):
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        _fail(op, f"tensors on different devices: {devices}")
+
+
+def check_attention(op, q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_sel, sink,
+                    *, dense: bool):
+    _tensor(op, "q", q, (torch.float32,), 3)
+    T, H, D = q.shape
+    if D % 32:
+        _fail(op, f"head dim {D} must be a multiple of 32 (FP8 SWA blocks)")
+    _tensor(op, "swa_values", swa_values, (torch.float8_e4m3fn,), 2)
+    _tensor(op, "swa_scales", swa_scales, _UE8M0, 2)
+    _tensor(op, "swa_idx", swa_idx, (torch.int32,), 2)
+    _tensor(op, "kv_codes", kv_codes, (torch.uint8,), 2)
+    _tensor(op, "kv_scales", kv_scales, (torch.float8_e4m3fn,), 2)
+    if dense:
+        _tensor(op, "kv_visible", kv_sel, (torch.int32, torch.int64), 1)
+    else:
+        _tensor(op, "kv_idx", kv_sel, (torch.int32,), 2)
+    _tensor(op, "sink", sink, (torch.float32,), 1)
+    if tuple(swa_values.shape[1:]) != (D,) or tuple(swa_scales.shape) != (swa_values.shape[0], D // 32):
+        _fail(op, f"swa_values {tuple(swa_values.shape)} / swa_scales {tuple(swa_scales.shape)} "
+                  f"do not hold FP8 rows of head dim {D} (expected [Ns,{D}] and [Ns,{D // 32}])")
+    if tuple(kv_codes.shape[1:]) != (D // 2,) or tuple(kv_scales.shape) != (kv_codes.shape[0], D // 16):
+        _fail(op, f"kv_codes {tuple(kv_codes.shape)} / kv_scales {tuple(kv_scales.shape)} do not "
+                  f"hold NVFP4 rows of head dim {D} (expected [Ng,{D // 2}] and [Ng,{D // 16}])")
+    if swa_idx.shape[0] != T or kv_sel.shape[0] != T:
+        _fail(op, f"swa_idx {tuple(swa_idx.shape)} and kv index {tuple(kv_sel.shape)} must have "
+                  f"one row per query (T={T})")
+    if tuple(sink.shape) != (H,):
+        _fail(op, f"sink must have shape ({H},), got {tuple(sink.shape)}")
+    _same_device(op, q=q, swa_values=swa_values, swa_scales=swa_scales, swa_idx=swa_idx,
+                 kv_codes=kv_codes, kv_scales=kv_scales, kv_index=kv_sel, sink=sink)
+
+
+def check_indices(op, name, idx, n_rows):
+    """Indices must be -1 (empty) or a valid row (eager only: reads the values)."""
+    if idx.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1 or hi >= n_rows:
+            _fail(op, f"{name} holds {lo if lo < -1 else hi}, outside [-1, {n_rows}) "
+                      f"({n_rows} rows)", IndexError)
+
+
+def check_indexer(op, q_codes, q_scales, weights, k_codes, k_scales, idx=None):
+    _tensor(op, "q_codes", q_codes, (torch.uint8,), 3)
+    _tensor(op, "q_scales", q_scales, _UE8M0, 3)
+    _tensor(op, "weights", weights, (torch.float32,), 2)
+    _tensor(op, "k_codes", k_codes, (torch.uint8,), 2)
+    _tensor(op, "k_scales", k_scales, _UE8M0, 2)
+    T, Hi, half = q_codes.shape
+    Di = half * 2
+    if Di % 32 or tuple(q_scales.shape) != (T, Hi, Di // 32):
+        _fail(op, f"q_codes {tuple(q_codes.shape)} / q_scales {tuple(q_scales.shape)} do not hold "
+                  f"MXFP4 queries (expected scales [{T},{Hi},{Di // 32}], Di a multiple of 32)")
+    if tuple(k_codes.shape[1:]) != (half,) or tuple(k_scales.shape) != (k_codes.shape[0], Di // 32):
+        _fail(op, f"k_codes {tuple(k_codes.shape)} / k_scales {tuple(k_scales.shape)} do not hold "
+                  f"MXFP4 keys of dim {Di}")
+    if tuple(weights.shape) != (T, Hi):
+        _fail(op, f"weights must have shape ({T}, {Hi}), got {tuple(weights.shape)}")
+    tensors = dict(q_codes=q_codes, q_scales=q_scales, weights=weights, k_codes=k_codes,
+                   k_scales=k_scales)
+    if idx is not None:
+        _tensor(op, "idx", idx, (torch.int32,), 2)
+        if idx.shape[0] != T:
+            _fail(op, f"idx must have one row per query (T={T}), got {tuple(idx.shape)}")
+        tensors["idx"] = idx
+    _same_device(op, **tensors)
+
+
+def check_selection(op, scores, visible, k: int, *, name="k"):
+    _tensor(op, "scores", scores, (torch.float32,), 2)
+    _tensor(op, "visible", visible, (torch.int32, torch.int64), 1)
+    if visible.shape[0] != scores.shape[0]:
+        _fail(op, f"visible has {visible.shape[0]} rows, scores {scores.shape[0]}")
+    if k < 0:
+        _fail(op, f"{name} must be >= 0, got {k}")
+    _same_device(op, scores=scores, visible=visible)
