@@ -3,8 +3,11 @@
 What gets compiled:
   * always: the framework-free CPU ops (csrc/cpu) and the one torch binding file
     (csrc/bindings), with the headers in include/;
+  * always: the I/O engine (csrc/io: thread pool, pread/pwrite with O_DIRECT, CRC-32C);
   * with CUDA: the kernels in csrc/cuda, for TORCH_CUDA_ARCH_LIST (default "9.0a", i.e.
-    -gencode=arch=compute_90a,code=sm_90a).
+    -gencode=arch=compute_90a,code=sm_90a), and the GPUDirect Storage path when cufile.h
+    is found (the toolkit's or the nvidia-cufile wheel's; DSV41_CUFILE=0 leaves it out).
+    libcufile itself is loaded with dlopen at run time, never linked.
 
 CUDA is used when torch is a CUDA build and nvcc is found (CUDA_HOME, else
 /usr/local/cuda, else nvcc on PATH); DSV41_CUDA=0 or 1 forces either way (1 fails loudly
@@ -37,6 +40,20 @@ def _find_cuda_home() -> str | None:
     return next((c for c in candidates if _is_toolkit(c)), None)
 
 
+def _find_cufile_include(cuda_home: str | None) -> str | None:
+    """The folder holding cufile.h (the toolkit's, else the nvidia-cufile wheel's), or None.
+    Only the header is needed at build time: libcufile is loaded with dlopen at run time."""
+    import site
+    import sysconfig
+
+    roots = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
+    candidates = [os.path.join(cuda_home, "include")] if cuda_home else []
+    for root in roots:
+        candidates += sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "include")))
+        candidates.append(os.path.join(root, "nvidia", "cufile", "include"))
+    return next((c for c in candidates if os.path.exists(os.path.join(c, "cufile.h"))), None)
+
+
 def _want_cuda(torch_cuda: str | None, cuda_home: str | None) -> bool:
     forced = os.environ.get("DSV41_CUDA")
     if forced not in (None, "", "0", "1"):
@@ -61,8 +78,11 @@ def _extensions():
     from torch.utils import cpp_extension as ext
 
     use_cuda = _want_cuda(torch.version.cuda, cuda_home)
-    sources = sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/bindings/*.cpp"))
-    cxx = ["-O3"]  # torch sets the C++ standard (C++20 for torch >= 2.10)
+    sources = (sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/io/*.cpp"))
+               + sorted(glob.glob("csrc/bindings/*.cpp")))
+    # torch sets the C++ standard (C++20 for torch >= 2.10). Hidden visibility, as pybind11
+    # asks, so classes bound with it do not export more than pybind11's own types.
+    cxx = ["-O3", "-fvisibility=hidden"]
     nvcc = ["-O3", "-lineinfo"]
     macros = [("DSV41_BUILD_TORCH_VERSION", f'"{torch.__version__}"')]
     kwargs = dict(
@@ -74,12 +94,20 @@ def _extensions():
         arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
         macros += [("DSV41_WITH_CUDA", "1"), ("DSV41_CUDA_ARCH_LIST", f'"{arch_list}"')]
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        cufile_include = _find_cufile_include(cuda_home)
+        if cufile_include and os.environ.get("DSV41_CUFILE") != "0":
+            # The header by full path, not its folder on the include path: a wheel's include
+            # folder also holds CUDA headers that must not shadow the toolkit's.
+            header = os.path.join(cufile_include, "cufile.h")
+            macros += [("DSV41_WITH_CUFILE", "1"), ("DSV41_CUFILE_HEADER", f'"{header}"')]
         module = ext.CUDAExtension(sources=sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
                                    **kwargs)
     else:
         module = ext.CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
+    cufile = ("DSV41_WITH_CUFILE", "1") in macros
     print(f"dsv41: building with CUDA={'yes' if use_cuda else 'no'}"
-          + (f" (CUDA_HOME={cuda_home}, arch={os.environ['TORCH_CUDA_ARCH_LIST']})" if use_cuda else ""))
+          + (f" (CUDA_HOME={cuda_home}, arch={os.environ['TORCH_CUDA_ARCH_LIST']}, "
+             f"cuFile={'yes' if cufile else 'no'})" if use_cuda else ""))
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
     return [module], {"build_ext": ext.BuildExtension.with_options(use_ninja=True)}
 

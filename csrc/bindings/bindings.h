@@ -6,4 +6,9 @@
 
 #include <pybind11/pybind11.h>
 
-namespace dsv41 {}  // namespace dsv41
+namespace dsv41 {
+
+// csrc/bindings/io.cpp: the I/O engine as the submodule dsv41._C.io.
+void bind_io(pybind11::module_& m);
+
+}  // namespace dsv41

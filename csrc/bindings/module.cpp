@@ -38,4 +38,5 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   // Each binding file's hook (declared in bindings.h) is called here.
+  dsv41::bind_io(m);
 }

@@ -9,7 +9,8 @@ def build_info() -> dict:
 
     Keys: cuda_compiled, cuda_arch_list, cuda_version (toolkit the kernels were built
     with, or None), torch_version, built_with_torch, torch_cuda_version, cuda_available,
-    devices, host_compiler, extension.
+    devices, host_compiler, extension, io_backend ("gds" or "posix": the persistent
+    cache's I/O path), io_detail, crc32c.
     """
     from . import _C
 
@@ -29,6 +30,13 @@ def build_info() -> dict:
         "host_compiler": compiled.get("host_compiler"),
         "extension": _C.__file__,
     }
+    from .cache.io import io_info
+
+    io = io_info()
+    info["io_backend"] = io["backend"]
+    info["io_detail"] = (f"GPUDirect Storage ({io['gds_detail']})" if io["gds_available"] else
+                         f"{io['posix']}; GDS unavailable: {io['gds_detail']}")
+    info["crc32c"] = io["crc32c"]
     if info["built_with_torch"] != info["torch_version"]:
         info["warning"] = (f"dsv41._C was built against torch {info['built_with_torch']} but torch "
                            f"{info['torch_version']} is running: rebuild the extension")

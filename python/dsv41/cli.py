@@ -3,6 +3,7 @@
     dsv41 info                           what was built and what this process sees
     dsv41 kv-bytes --preset v41-flash    the KV byte budget of a model (table or --json)
     dsv41 kv-bytes --config config.json  ... of a Hugging Face or inference config file
+    dsv41 cache stats|verify|gc DIR      look after a persistent prefix store
 """
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="preset to state the ratios against (default: v4-flash)")
     kv.add_argument("--json", action="store_true", help="print a JSON object")
     kv.set_defaults(func=_cmd_kv_bytes)
+
+    from .cache.cli import add_cache_parser
+    add_cache_parser(sub)
     return p
 
 

@@ -1,0 +1,384 @@
+"""Prefix-cache benchmarks, each against a baseline measured in the same run:
+
+  store      PersistentStore write (put + commit, fsync) and verified read (load, one prefix
+             per call) of whole chains, against raw pwrite/pread of the same number of bytes
+             on the same disk with the same engine and O_DIRECT: the engine at its best (1 MiB
+             ops, 64 MiB per call, all threads) and one thread of sequential 1 MiB preads.
+             Target: reads >= 80% of raw.
+  lookup     PrefixCache.match latency and lookups/s for prefixes of 1K .. 1M tokens, all in
+             the GPU pool (host memory here); the time per block must not grow with length.
+  snapshot   SwaSnapshotPool put/get of a v41-flash-sized SWA snapshot against a plain copy
+             (torch clone) of the same tensors.
+  device     (--device cuda) batched device<->host block copies against one cudaMemcpy of a
+             contiguous buffer of the same size, and GDS reads where cuFile is available.
+
+    python bench/bench_cache.py --json out.json            # everything that runs here
+    python bench/bench_cache.py --only store --store-mb 512
+    python bench/bench_cache.py --device cuda              # adds the device section
+
+Numbers on shared machines move from run to run: read the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import dsv41  # noqa: E402
+from dsv41.cache import CacheConfig, PrefixCache, SwaSnapshot  # noqa: E402
+from dsv41.cache import io as cio  # noqa: E402
+from dsv41.cache.hashing import BlockHasher, CacheKey, model_fingerprint  # noqa: E402
+from dsv41.cache.layout import PAYLOAD_FORMAT_VERSION, BlockLayout  # noqa: E402
+from dsv41.cache.persistent import PersistentStore, StoreIdentity  # noqa: E402
+from dsv41.cache.swa_pool import SwaSnapshotPool  # noqa: E402
+from dsv41.config import ModelConfig  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[bench_cache] {msg}", file=sys.stderr, flush=True)
+
+
+def best_of(fn, repeat: int) -> float:
+    """Minimum seconds over `repeat` runs (the least disturbed by other tenants)."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+# ---- store vs raw ------------------------------------------------------------------------
+
+def bench_store(args, out: dict) -> None:
+    out["store"] = {}
+    for chain_tokens in args.chain_tokens:
+        bench_store_one(args, chain_tokens, out["store"])
+
+
+def bench_store_one(args, chain_tokens: int, results: dict) -> None:
+    cfg = ModelConfig.preset(args.preset)
+    layout = BlockLayout(cfg, args.block_tokens)
+    P = layout.block_bytes
+    chain_blocks = chain_tokens // args.block_tokens
+    n_chains = max(1, args.store_mb * (1 << 20) // (P * chain_blocks))
+    n_blocks = n_chains * chain_blocks
+    hasher = BlockHasher(args.block_tokens)
+    fp = model_fingerprint(cfg)
+    key = CacheKey("bench", fp, PAYLOAD_FORMAT_VERSION).encode()
+    ident = StoreIdentity(fp, layout.fingerprint(), args.block_tokens, P, PAYLOAD_FORMAT_VERSION, "sha256", 32)
+    root = Path(tempfile.mkdtemp(prefix="dsv41-bench-", dir=args.dir))
+    log(f"store: {args.preset} blocks of {P:,} B, {n_chains} chains x {chain_blocks} blocks = "
+        f"{n_blocks * P / 1e6:,.0f} MB of payload, in {root}")
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(0, cfg.vocab_size, chain_tokens).astype("<u4") for _ in range(n_chains)]
+    hashes = [hasher.hash_blocks(t, key) for t in tokens]
+    payload = rng.integers(0, 256, (chain_blocks, P), dtype=np.uint8)  # reused per chain
+    eng = cio.IOEngine(args.threads)
+    try:
+        # Raw baseline: the same payload bytes, written and read sequentially in 4 MiB ops.
+        raw_bytes = n_blocks * P
+        raw_path = root / "raw.bin"
+        chunk = 4 << 20
+        buf, view = cio.staging(chunk)
+        view[:] = rng.integers(0, 256, chunk, dtype=np.uint8)
+        span = cio.align_up(raw_bytes)
+
+        def raw_write():
+            f = eng.open(str(raw_path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct=True)
+            ops = [(f.fd, off, min(chunk, span - off), buf, 0) for off in range(0, span, chunk)]
+            assert all(e == 0 for _, e in eng.pwrite(ops))
+            eng.fsync(f.fd)
+            os.close(f.fd)
+            results[str(chain_tokens)]["raw_direct"] = f.direct
+
+        window, op_bytes = 64 << 20, 1 << 20
+        wbuf, _ = cio.staging(window)
+
+        def raw_read():  # the engine at its best: 1 MiB ops, 64 MiB of them per call, all threads
+            f = eng.open(str(raw_path), os.O_RDONLY, direct=True)
+            for base in range(0, span, window):
+                ops = [(f.fd, o, min(op_bytes, span - o), wbuf, o - base)
+                       for o in range(base, min(span, base + window), op_bytes)]
+                assert all(e == 0 for _, e in eng.pread(ops))
+            os.close(f.fd)
+
+        def raw_seq_read():  # one thread, one 1 MiB pread after the other
+            f = eng.open(str(raw_path), os.O_RDONLY, direct=True)
+            for o in range(0, span, op_bytes):
+                assert eng.pread([(f.fd, o, min(op_bytes, span - o), wbuf, 0)])[0][1] == 0
+            os.close(f.fd)
+
+        res = results[str(chain_tokens)] = {
+            "preset": args.preset, "block_bytes": P, "blocks": n_blocks, "payload_bytes": raw_bytes,
+            "chain_tokens": chain_tokens, "chain_bytes": chain_blocks * P, "threads": args.threads, "dir": str(root)}
+        store_dir = root / "store"
+
+        def store_write():
+            shutil.rmtree(store_dir, ignore_errors=True)
+            with PersistentStore(store_dir, ident, engine=eng, durability="fsync",
+                                 segment_bytes=args.segment_mb << 20) as st:
+                for c in range(n_chains):
+                    parent, prev = 0, hasher.root(key)
+                    for i in range(chain_blocks):
+                        parent = st.put(key=key, parent=parent, block_index=i, block_hash=hashes[c][i],
+                                        parent_hash=prev, tokens=tokens[c][i * args.block_tokens:(i + 1) * args.block_tokens],
+                                        payload=payload[i])
+                        prev = hashes[c][i]
+                    if (c + 1) % args.chains_per_commit == 0:
+                        st.commit()
+
+        # Baseline and store alternate, run after run, so both see the same disk weather;
+        # the ratio of the best times is reported, and the median of the per-run ratios.
+        w_raw, w_st = [], []
+        for _ in range(args.repeat):
+            w_raw.append(best_of(raw_write, 1))
+            w_st.append(best_of(store_write, 1))
+        t_raw_w, t_st_w = min(w_raw), min(w_st)
+        log(f"write: raw {raw_bytes / t_raw_w / 1e9:.2f} GB/s, store {raw_bytes / t_st_w / 1e9:.2f} GB/s "
+            f"({t_raw_w / t_st_w:.2f} x raw)")
+        dst = np.empty((chain_blocks, P), np.uint8)
+        t0 = time.perf_counter()
+        st = PersistentStore(store_dir, ident, engine=eng, mode="r")
+        t_open = time.perf_counter() - t0
+        log(f"open (index rebuild): {len(st):,} records in {t_open * 1e3:.1f} ms")
+        token_rows = [t.reshape(chain_blocks, args.block_tokens) for t in tokens]
+
+        def store_read():
+            for c in range(n_chains):
+                got = st.load(key, hashes[c], token_rows[c], dst)
+                assert len(got) == chain_blocks
+
+        r_raw, r_seq, r_st = [], [], []
+        for _ in range(args.repeat):
+            r_raw.append(best_of(raw_read, 1))
+            r_st.append(best_of(store_read, 1))
+            r_seq.append(best_of(raw_seq_read, 1))
+        t_raw_r, t_seq_r, t_st_r = min(r_raw), min(r_seq), min(r_st)
+        assert np.array_equal(dst, payload), "payload read back differs"
+        file_bytes = st.file_bytes()
+        st.close()
+        paired = statistics.median(a / b for a, b in zip(r_raw, r_st))
+        log(f"read: raw {raw_bytes / t_raw_r / 1e9:.2f} GB/s ({args.threads} threads, 64 MiB per call), raw sequential "
+            f"{raw_bytes / t_seq_r / 1e9:.2f} GB/s (1 thread), store verified {raw_bytes / t_st_r / 1e9:.2f} GB/s "
+            f"({t_raw_r / t_st_r:.2f} x raw, {t_seq_r / t_st_r:.2f} x sequential; per-run median {paired:.2f})")
+        res.update({
+            "open_seconds": t_open, "open_records": n_blocks,
+            "file_bytes": file_bytes, "o_direct": eng.counters()["direct_ops"] > 0,
+            "raw_write_gbps": raw_bytes / t_raw_w / 1e9, "raw_read_gbps": raw_bytes / t_raw_r / 1e9,
+            "store_write_gbps": raw_bytes / t_st_w / 1e9, "store_read_gbps": raw_bytes / t_st_r / 1e9,
+            "raw_seq_read_gbps": raw_bytes / t_seq_r / 1e9,
+            "write_ratio_vs_raw": t_raw_w / t_st_w, "read_ratio_vs_raw": t_raw_r / t_st_r,
+            "read_ratio_vs_raw_median_of_runs": paired, "read_ratio_vs_raw_sequential": t_seq_r / t_st_r,
+            "read_target": 0.8, "read_meets_target": t_raw_r / t_st_r >= 0.8,
+            "crc32c": cio.io_info()["crc32c"],
+        })
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- lookup latency ------------------------------------------------------------------------
+
+def bench_lookup(args, out: dict) -> None:
+    cfg = ModelConfig.preset("v41-tiny")  # lookup cost does not depend on the payload size
+    lengths = [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20]
+    lengths = [n for n in lengths if n <= args.max_lookup_tokens]
+    B = args.block_tokens
+    blocks = max(lengths) // B
+    layout = BlockLayout(cfg, B)
+    cache = PrefixCache(cfg, CacheConfig(block_tokens=B, gpu_capacity_bytes=(blocks + 8) * layout.block_bytes,
+                                         device="cpu", swa_capacity_bytes=0))
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, cfg.vocab_size, max(lengths)).astype("<u4")
+    log(f"lookup: inserting {blocks:,} blocks")
+    cache.release(cache.insert(prompt, torch.zeros(blocks, layout.block_bytes, dtype=torch.uint8)))
+    rows = []
+    for n in lengths:
+        reps = max(3, min(200, (1 << 20) // n))
+
+        def one():
+            m = cache.match(prompt[:n])
+            assert m.cached_tokens == n
+            cache.release(m)
+        one()
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            one()
+            samples.append(time.perf_counter() - t0)
+        med = statistics.median(samples)
+        rows.append({"tokens": n, "blocks": n // B, "median_s": med, "lookups_per_s": 1 / med,
+                     "us_per_block": med / (n // B) * 1e6})
+        log(f"lookup: {n:>8,} tokens  {med * 1e3:8.3f} ms  {1 / med:9.1f}/s  {rows[-1]['us_per_block']:.2f} us/block")
+    growth = rows[-1]["us_per_block"] / rows[0]["us_per_block"]
+    out["lookup"] = {"block_tokens": B, "rows": rows, "per_block_growth_first_to_last": growth,
+                     "linear_or_better": growth <= 2.0}
+
+
+# ---- snapshots ---------------------------------------------------------------------------
+
+def bench_snapshot(args, out: dict) -> None:
+    cfg = ModelConfig.preset("v41-flash")
+    W, L = cfg.sliding_window, cfg.num_layers
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"swa.{i}.values": torch.randint(0, 255, (W, cfg.head_dim), dtype=torch.uint8, generator=g)
+               for i in range(L)}
+    tensors.update({f"swa.{i}.scales": torch.randint(0, 255, (W, cfg.head_dim // 32), dtype=torch.uint8, generator=g)
+                    for i in range(L)})
+    tensors["tail_kv"] = torch.randint(0, 255, (63, 890), dtype=torch.uint8, generator=g)
+    tensors["compressor_state"] = torch.randn(3, 2, cfg.head_dim, generator=g)
+    n = 4096 + 37
+    snap = SwaSnapshot(n, tensors, {"num_tokens": n})
+    nbytes = snap.nbytes
+    hasher = BlockHasher(args.block_tokens)
+    key = CacheKey("bench", "fp", 1).encode()
+    tokens = np.random.default_rng(2).integers(0, 1000, n).astype("<u4")
+    hashes = hasher.hash_blocks(tokens, key)
+    pool = SwaSnapshotPool(hasher, 8 * nbytes)
+    reps = args.repeat * 10
+    flat = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=g)
+    t_copy, t_memcpy, t_put, t_get = [], [], [], []
+    for _ in range(reps):  # interleaved, so every method sees the same machine
+        t_copy.append(best_of(lambda: {k: v.clone() for k, v in tensors.items()}, 1))
+        t_memcpy.append(best_of(lambda: flat.clone(), 1))
+        t_put.append(best_of(lambda: pool.put(key, tokens, snap, hashes), 1))
+        t_get.append(best_of(lambda: pool.get(key, tokens, hashes), 1))
+    t_copy, t_memcpy, t_put, t_get = min(t_copy), min(t_memcpy), min(t_put), min(t_get)
+    got = pool.get(key, tokens, hashes)
+    assert all(torch.equal(got.tensors[k], v) for k, v in tensors.items())
+    out["snapshot"] = {"snapshot_bytes": nbytes, "tensors": len(tensors),
+                       "copy_tensors_gbps": nbytes / t_copy / 1e9, "memcpy_gbps": nbytes / t_memcpy / 1e9,
+                       "put_gbps": nbytes / t_put / 1e9, "get_gbps": nbytes / t_get / 1e9,
+                       "put_ratio_vs_copy_tensors": t_copy / t_put, "get_ratio_vs_copy_tensors": t_copy / t_get,
+                       "put_ratio_vs_memcpy": t_memcpy / t_put, "get_ratio_vs_memcpy": t_memcpy / t_get}
+    log(f"snapshot: {nbytes / 1e6:.1f} MB in {len(tensors)} tensors; put {t_copy / t_put:.2f} x / get "
+        f"{t_copy / t_get:.2f} x a clone of each tensor ({nbytes / t_copy / 1e9:.2f} GB/s); put "
+        f"{t_memcpy / t_put:.2f} x / get {t_memcpy / t_get:.2f} x one memcpy ({nbytes / t_memcpy / 1e9:.2f} GB/s)")
+
+
+# ---- device ------------------------------------------------------------------------------
+
+def bench_device(args, out: dict) -> None:
+    if not torch.cuda.is_available():
+        out["device"] = {"skipped": "no CUDA device"}
+        log("device: skipped (no CUDA device)")
+        return
+    cfg = ModelConfig.preset("v41-flash")
+    layout = BlockLayout(cfg, args.block_tokens)
+    P = layout.block_bytes
+    n = args.device_blocks
+    pool = torch.empty((2 * n, P), dtype=torch.uint8, device="cuda")
+    host = torch.randint(0, 255, (n, P), dtype=torch.uint8).pin_memory()
+    contiguous_dev = torch.empty(n * P, dtype=torch.uint8, device="cuda")
+    eng = cio.IOEngine(args.threads)
+    dst_idx = list(range(0, 2 * n, 2))  # every other pool block: no run can merge
+    src_idx = list(range(n))
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(args.repeat * 5):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            samples.append(s.elapsed_time(e) / 1e3)
+        return min(samples)
+
+    t_h2d_blocks = timed(lambda: eng.copy_blocks(pool, dst_idx, host, src_idx))
+    t_h2d_memcpy = timed(lambda: contiguous_dev.copy_(host.view(-1), non_blocking=True))
+    host_back = torch.empty_like(host).pin_memory()
+    t_d2h_blocks = timed(lambda: eng.copy_blocks(host_back, src_idx, pool, dst_idx))
+    t_d2h_memcpy = timed(lambda: host_back.view(-1).copy_(contiguous_dev, non_blocking=True))
+    torch.cuda.synchronize()
+    assert torch.equal(host_back, host), "device round trip differs"
+    crc_dev = cio._io.crc32c_device(contiguous_dev[: P * 4].contiguous(),
+                                    torch.arange(4, device="cuda", dtype=torch.long) * P,
+                                    torch.full((4,), P, device="cuda", dtype=torch.long)).cpu().tolist()
+    crc_host = [cio.crc32c(host[i].numpy()) for i in range(4)]
+    res = {"blocks": n, "block_bytes": P, "h2d_blocks_gbps": n * P / t_h2d_blocks / 1e9,
+           "h2d_memcpy_gbps": n * P / t_h2d_memcpy / 1e9, "h2d_ratio": t_h2d_memcpy / t_h2d_blocks,
+           "d2h_blocks_gbps": n * P / t_d2h_blocks / 1e9, "d2h_memcpy_gbps": n * P / t_d2h_memcpy / 1e9,
+           "d2h_ratio": t_d2h_memcpy / t_d2h_blocks,
+           "device_crc32c_matches_host": [c & 0xFFFFFFFF for c in crc_dev] == crc_host}
+    log(f"device: H2D blocks {res['h2d_blocks_gbps']:.1f} GB/s ({res['h2d_ratio']:.2f} x memcpy), "
+        f"D2H {res['d2h_blocks_gbps']:.1f} GB/s ({res['d2h_ratio']:.2f} x), CRC on device ok: "
+        f"{res['device_crc32c_matches_host']}")
+    info = cio.io_info()
+    if info["gds_available"]:
+        root = Path(tempfile.mkdtemp(prefix="dsv41-gds-", dir=args.dir))
+        try:
+            path = root / "gds.bin"
+            raw = host.view(-1).numpy()
+            path.write_bytes(raw.tobytes())
+            f = cio._io.GdsFile(str(path), False)
+            total = cio.align_up(raw.size) if raw.size % cio.ALIGN else raw.size
+            dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+            t_gds = timed(lambda: f.read(dev, raw.size, 0, 0))
+            t_posix = best_of(lambda: path.read_bytes(), args.repeat)
+            res["gds"] = {"read_gbps": raw.size / t_gds / 1e9, "posix_read_gbps": raw.size / t_posix / 1e9,
+                          "detail": info["gds_detail"],
+                          "bit_exact": bool(torch.equal(dev[: raw.size].cpu(), host.view(-1)))}
+            log(f"device: GDS read {res['gds']['read_gbps']:.2f} GB/s")
+        except Exception as e:  # report, do not fail the whole run
+            res["gds"] = {"error": repr(e)}
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    else:
+        res["gds"] = {"skipped": info["gds_detail"]}
+    out["device"] = res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="PATH", help="also write the results here")
+    p.add_argument("--only", choices=["store", "lookup", "snapshot", "device"], action="append",
+                   help="run only these sections (repeatable)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda adds the device section")
+    p.add_argument("--dir", default=None, help="folder on the disk to measure (default: the temp dir)")
+    p.add_argument("--preset", default="v41-flash", help="model whose block size the store bench uses")
+    p.add_argument("--block-tokens", type=int, default=64)
+    p.add_argument("--store-mb", type=int, default=256, help="payload MB written and read")
+    p.add_argument("--chain-tokens", type=int, nargs="+", default=[4096, 65536],
+                   help="tokens per stored prefix (one lookup loads one); several values: one run each")
+    p.add_argument("--chains-per-commit", type=int, default=4)
+    p.add_argument("--segment-mb", type=int, default=128)
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--max-lookup-tokens", type=int, default=1 << 20)
+    p.add_argument("--device-blocks", type=int, default=2048)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args(argv)
+    sections = args.only or ["store", "lookup", "snapshot"] + (["device"] if args.device == "cuda" else [])
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit, "host": platform.node(),
+           "cpus": os.cpu_count(), "torch": torch.__version__, "dsv41": dsv41.__version__,
+           "io": cio.io_info(), "args": vars(args)}
+    for name in sections:
+        {"store": bench_store, "lookup": bench_lookup, "snapshot": bench_snapshot, "device": bench_device}[name](args, out)
+    text = json.dumps(out, indent=2, default=str)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

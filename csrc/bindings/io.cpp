@@ -1,0 +1,489 @@
+// Python face of the I/O engine (dsv41._C.io): buffers come in through the buffer protocol
+// (numpy arrays, AlignedBuffer) or as torch tensors for the device paths. The GIL is
+// released around every blocking call, so several Python threads can have I/O in flight.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>  // the at::Tensor <-> torch.Tensor caster
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bindings.h"
+#include "dsv41/crc32c.h"
+#include "dsv41/io.h"
+
+#ifdef DSV41_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace py = pybind11;
+
+namespace dsv41 {
+namespace {
+
+using io::AlignedBuffer;
+using io::IoEngine;
+using io::IoOp;
+
+// A contiguous byte view of a Python buffer, kept exported while the GIL is released.
+struct ByteView {
+  py::buffer_info info;
+  uint8_t* ptr = nullptr;
+  size_t size = 0;
+};
+
+ByteView byte_view(const py::buffer& b, bool writable) {
+  ByteView v{b.request(writable)};
+  if (v.info.ndim > 0) {
+    // Accept any C-contiguous buffer: strides must be the packed ones.
+    py::ssize_t expect = v.info.itemsize;
+    for (py::ssize_t d = v.info.ndim - 1; d >= 0; --d) {
+      if (v.info.shape[d] > 1 && v.info.strides[d] != expect)
+        throw std::invalid_argument("buffer must be C-contiguous");
+      expect *= v.info.shape[d];
+    }
+  }
+  v.ptr = static_cast<uint8_t*>(v.info.ptr);
+  v.size = static_cast<size_t>(v.info.size * v.info.itemsize);
+  return v;
+}
+
+// ops: [(fd, file_offset, length, buffer, buffer_offset[, crc_ranges])]
+// -> [(bytes_done, errno)] or, with crc_ranges on reads, [(bytes_done, errno, [crc, ...])]
+py::list run_ops(IoEngine& eng, const py::list& ops, bool write) {
+  std::vector<ByteView> views;
+  std::vector<IoOp> batch;
+  views.reserve(ops.size());
+  batch.reserve(ops.size());
+  for (const auto& item : ops) {
+    auto t = item.cast<py::tuple>();
+    if (t.size() != 5 && !(t.size() == 6 && !write))
+      throw std::invalid_argument("each op is (fd, offset, length, buffer, buffer_offset[, crc_ranges])");
+    IoOp op;
+    op.fd = t[0].cast<int>();
+    op.offset = t[1].cast<uint64_t>();
+    op.length = t[2].cast<uint64_t>();
+    views.push_back(byte_view(t[3].cast<py::buffer>(), !write));
+    const uint64_t boff = t[4].cast<uint64_t>();
+    if (boff > views.back().size || op.length > views.back().size - boff)
+      throw std::invalid_argument("op of " + std::to_string(op.length) + " bytes at buffer offset " +
+                                  std::to_string(boff) + " overruns a buffer of " +
+                                  std::to_string(views.back().size) + " bytes");
+    op.buf = views.back().ptr + boff;
+    if (t.size() == 6) {
+      op.crc_ranges = t[5].cast<std::vector<std::pair<uint64_t, uint64_t>>>();
+      for (const auto& [off, len] : op.crc_ranges)
+        if (off > op.length || len > op.length - off) throw std::invalid_argument("crc range outside its op");
+    }
+    batch.push_back(std::move(op));
+  }
+  {
+    py::gil_scoped_release nogil;
+    eng.run(batch.data(), batch.size(), write);
+  }
+  py::list out;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const auto& op = batch[i];
+    if (py::len(ops[i].cast<py::tuple>()) == 6) {
+      out.append(py::make_tuple(op.done, op.err, py::cast(op.crcs)));
+    } else {
+      out.append(py::make_tuple(op.done, op.err));
+    }
+  }
+  return out;
+}
+
+// ops: [(fd, offset, length, buffer, buffer_offset,
+//        [(offset_in_op, padded, record_id, parent_id, block_index, hash, row), ...])]
+// tokens: uint32 [rows, T] or None; key: bytes or None; dst: uint8 [rows, payload] or None.
+// Returns [(bytes_read, errno, [record status, ...])].
+py::list read_records(IoEngine& eng, const py::list& ops, const py::object& tokens, const py::object& key,
+                      const py::object& dst, uint32_t payload_bytes) {
+  if (payload_bytes == 0) throw std::invalid_argument("payload_bytes must be positive");
+  std::vector<ByteView> views;
+  std::vector<IoOp> batch;
+  views.reserve(ops.size() + 3);
+  batch.reserve(ops.size());
+  const uint32_t* tok = nullptr;
+  uint64_t tok_rows = 0, T = 0;
+  if (!tokens.is_none()) {
+    ByteView v = byte_view(tokens.cast<py::buffer>(), false);
+    if (v.info.itemsize != 4 || v.info.ndim != 2) throw std::invalid_argument("tokens must be uint32 [rows, T]");
+    tok = reinterpret_cast<const uint32_t*>(v.ptr);
+    tok_rows = static_cast<uint64_t>(v.info.shape[0]);
+    T = static_cast<uint64_t>(v.info.shape[1]);
+    views.push_back(std::move(v));
+  }
+  std::string key_str;
+  const bool has_key = !key.is_none();
+  if (has_key) key_str = key.cast<std::string>();
+  uint8_t* out = nullptr;
+  uint64_t out_rows = 0;
+  if (!dst.is_none()) {
+    ByteView v = byte_view(dst.cast<py::buffer>(), true);
+    out = v.ptr;
+    out_rows = v.size / payload_bytes;
+    views.push_back(std::move(v));
+  }
+  std::vector<std::string> hashes;  // keep the hash bytes alive while the GIL is released
+  size_t n_records = 0;
+  for (const auto& item : ops) n_records += item.cast<py::tuple>()[5].cast<py::list>().size();
+  hashes.reserve(n_records);
+  for (const auto& item : ops) {
+    auto t = item.cast<py::tuple>();
+    if (t.size() != 6) throw std::invalid_argument("each op is (fd, offset, length, buffer, buffer_offset, records)");
+    IoOp op;
+    op.fd = t[0].cast<int>();
+    op.offset = t[1].cast<uint64_t>();
+    op.length = t[2].cast<uint64_t>();
+    views.push_back(byte_view(t[3].cast<py::buffer>(), true));
+    const uint64_t boff = t[4].cast<uint64_t>();
+    if (boff > views.back().size || op.length > views.back().size - boff)
+      throw std::invalid_argument("read op overruns its buffer");
+    op.buf = views.back().ptr + boff;
+    for (const auto& r : t[5].cast<py::list>()) {
+      auto rt = r.cast<py::tuple>();
+      record::Expect e;
+      const uint64_t off = rt[0].cast<uint64_t>();
+      e.padded = rt[1].cast<uint64_t>();
+      if (off > op.length || e.padded > op.length - off) throw std::invalid_argument("record outside its op");
+      e.record_id = rt[2].cast<uint64_t>();
+      e.parent_id = rt[3].cast<uint64_t>();
+      e.block_index = rt[4].cast<uint32_t>();
+      hashes.push_back(rt[5].cast<std::string>());
+      if (hashes.back().size() > 32) throw std::invalid_argument("hash longer than 32 bytes");
+      e.hash = reinterpret_cast<const uint8_t*>(hashes.back().data());
+      e.hash_bytes = static_cast<uint32_t>(hashes.back().size());
+      e.payload_bytes = payload_bytes;
+      const uint64_t row = rt[6].cast<uint64_t>();
+      if (tok) {
+        if (row >= tok_rows) throw std::out_of_range("token row out of range");
+        e.tokens = tok + row * T;
+        e.token_count = static_cast<uint32_t>(T);
+      }
+      if (has_key) {
+        e.key = reinterpret_cast<const uint8_t*>(key_str.data());
+        e.key_bytes = static_cast<uint32_t>(key_str.size());
+      }
+      if (out) {
+        if (row >= out_rows) throw std::out_of_range("dst row out of range");
+        e.dst = out + row * payload_bytes;
+      }
+      op.records.emplace_back(off, e);
+    }
+    batch.push_back(std::move(op));
+  }
+  {
+    py::gil_scoped_release nogil;
+    eng.run(batch.data(), batch.size(), false);
+  }
+  py::list result;
+  for (const auto& op : batch) result.append(py::make_tuple(op.done, op.err, py::cast(op.record_status)));
+  return result;
+}
+
+// The host half of a device read: heads (header, token ids, key) of records whose data CRC
+// was computed on the device. specs: [(offset_in_heads, padded, record_id, parent_id,
+// block_index, hash, row, data_crc, bytes_read)] -> [record status].
+std::vector<int> check_heads(const py::buffer& heads, const py::list& specs, const py::object& tokens,
+                             const py::object& key, uint32_t payload_bytes, uint64_t head_bytes) {
+  ByteView hv = byte_view(heads, false);
+  ByteView tv;
+  const uint32_t* tok = nullptr;
+  uint64_t tok_rows = 0, T = 0;
+  if (!tokens.is_none()) {
+    tv = byte_view(tokens.cast<py::buffer>(), false);
+    if (tv.info.itemsize != 4 || tv.info.ndim != 2) throw std::invalid_argument("tokens must be uint32 [rows, T]");
+    tok = reinterpret_cast<const uint32_t*>(tv.ptr);
+    tok_rows = static_cast<uint64_t>(tv.info.shape[0]);
+    T = static_cast<uint64_t>(tv.info.shape[1]);
+  }
+  std::string key_str = key.is_none() ? std::string() : key.cast<std::string>();
+  std::vector<int> out;
+  for (const auto& r : specs) {
+    auto rt = r.cast<py::tuple>();
+    const uint64_t off = rt[0].cast<uint64_t>();
+    if (off > hv.size || head_bytes > hv.size - off) throw std::invalid_argument("head outside the buffer");
+    record::Expect e;
+    e.padded = rt[1].cast<uint64_t>();
+    e.record_id = rt[2].cast<uint64_t>();
+    e.parent_id = rt[3].cast<uint64_t>();
+    e.block_index = rt[4].cast<uint32_t>();
+    std::string h = rt[5].cast<std::string>();
+    if (h.size() > 32) throw std::invalid_argument("hash longer than 32 bytes");
+    e.hash = reinterpret_cast<const uint8_t*>(h.data());
+    e.hash_bytes = static_cast<uint32_t>(h.size());
+    e.payload_bytes = payload_bytes;
+    const uint64_t row = rt[6].cast<uint64_t>();
+    if (tok) {
+      if (row >= tok_rows) throw std::out_of_range("token row out of range");
+      e.tokens = tok + row * T;
+      e.token_count = static_cast<uint32_t>(T);
+    }
+    if (!key.is_none()) {
+      e.key = reinterpret_cast<const uint8_t*>(key_str.data());
+      e.key_bytes = static_cast<uint32_t>(key_str.size());
+    }
+    e.data_crc_known = true;
+    e.data_crc = rt[7].cast<uint32_t>();
+    const uint64_t got = rt[8].cast<uint64_t>();
+    // The head must hold the token ids and key the check compares: a record whose head is
+    // longer than what was brought back is reported as a header problem, never read past.
+    const uint8_t* rec = hv.ptr + off;
+    record::HeaderV1 hdr;
+    std::memcpy(&hdr, rec, sizeof(hdr));
+    if (record::kHeaderBytes + 4ull * hdr.token_count + hdr.key_bytes > head_bytes) {
+      out.push_back(got < e.padded ? record::kTruncated : record::kHeader);
+      continue;
+    }
+    out.push_back(record::check(rec, got, e));
+  }
+  return out;
+}
+
+void check_blocks(const at::Tensor& t, const char* name) {
+  if (t.scalar_type() != at::kByte || t.dim() != 2 || !t.is_contiguous())
+    throw std::invalid_argument(std::string(name) + " must be a contiguous uint8 tensor [blocks, block_bytes]");
+}
+
+std::vector<int64_t> checked_indices(const std::vector<int64_t>& idx, int64_t rows, const char* name) {
+  for (int64_t i : idx)
+    if (i < 0 || i >= rows)
+      throw std::out_of_range(std::string(name) + " index " + std::to_string(i) + " outside [0, " +
+                              std::to_string(rows) + ")");
+  return idx;
+}
+
+// dst[dst_idx[i]] = src[src_idx[i]] for uint8 [blocks, block_bytes] tensors; CUDA copies
+// (any mix of host and device) are enqueued on the current stream of the device involved.
+void copy_blocks(IoEngine& eng, at::Tensor dst, const std::vector<int64_t>& dst_idx,
+                 const at::Tensor& src, const std::vector<int64_t>& src_idx) {
+  check_blocks(dst, "dst");
+  check_blocks(src, "src");
+  if (dst.size(1) != src.size(1))
+    throw std::invalid_argument("dst and src block sizes differ: " + std::to_string(dst.size(1)) +
+                                " vs " + std::to_string(src.size(1)));
+  if (dst_idx.size() != src_idx.size()) throw std::invalid_argument("dst_idx and src_idx differ in length");
+  auto d = checked_indices(dst_idx, dst.size(0), "dst");
+  auto s = checked_indices(src_idx, src.size(0), "src");
+  const uint64_t bb = static_cast<uint64_t>(dst.size(1));
+  auto* dp = static_cast<uint8_t*>(dst.data_ptr());
+  const auto* sp = static_cast<const uint8_t*>(src.data_ptr());
+  if (dst.is_cuda() || src.is_cuda()) {
+#ifdef DSV41_WITH_CUDA
+    const auto& dev_t = dst.is_cuda() ? dst : src;
+    c10::cuda::CUDAGuard guard(dev_t.device());
+    void* stream = c10::cuda::getCurrentCUDAStream(dev_t.device().index()).stream();
+    int err;
+    {
+      py::gil_scoped_release nogil;
+      err = io::cuda_copy_blocks(dp, d.data(), sp, s.data(), d.size(), bb, stream);
+    }
+    if (err) throw std::runtime_error("cuda_copy_blocks failed with CUDA error " + std::to_string(err));
+    return;
+#else
+    throw std::runtime_error("dsv41 was built without CUDA");
+#endif
+  }
+  py::gil_scoped_release nogil;
+  eng.copy_blocks(dp, d.data(), sp, s.data(), d.size(), bb);
+}
+
+py::dict counters_dict(const io::IoCounters& c) {
+  py::dict d;
+  d["bytes_read"] = c.bytes_read;
+  d["bytes_written"] = c.bytes_written;
+  d["read_ops"] = c.read_ops;
+  d["write_ops"] = c.write_ops;
+  d["direct_ops"] = c.direct_ops;
+  d["buffered_ops"] = c.buffered_ops;
+  d["direct_fallbacks"] = c.direct_fallbacks;
+  d["errors"] = c.errors;
+  return d;
+}
+
+#ifdef DSV41_WITH_CUDA
+// CRC-32C of byte ranges of a CUDA uint8 tensor, computed on the device.
+at::Tensor crc32c_device(const at::Tensor& data, const at::Tensor& offsets, const at::Tensor& lengths) {
+  if (!data.is_cuda() || data.scalar_type() != at::kByte || !data.is_contiguous())
+    throw std::invalid_argument("data must be a contiguous CUDA uint8 tensor");
+  if (offsets.scalar_type() != at::kLong || lengths.scalar_type() != at::kLong ||
+      offsets.numel() != lengths.numel() || offsets.device() != data.device() ||
+      lengths.device() != data.device() || !offsets.is_contiguous() || !lengths.is_contiguous())
+    throw std::invalid_argument("offsets and lengths must be contiguous int64 tensors of one length on data's device");
+  c10::cuda::CUDAGuard guard(data.device());
+  auto crcs = at::empty({offsets.numel()}, data.options().dtype(at::kInt));
+  const int err = io::cuda_crc32c_ranges(
+      static_cast<const uint8_t*>(data.data_ptr()), reinterpret_cast<const uint64_t*>(offsets.data_ptr()),
+      reinterpret_cast<const uint64_t*>(lengths.data_ptr()), reinterpret_cast<uint32_t*>(crcs.data_ptr()),
+      static_cast<size_t>(offsets.numel()), c10::cuda::getCurrentCUDAStream(data.device().index()).stream());
+  if (err) throw std::runtime_error("crc32c kernel launch failed with CUDA error " + std::to_string(err));
+  return crcs;
+}
+#endif
+
+}  // namespace
+
+void bind_io(py::module_& parent) {
+  py::module_ m = parent.def_submodule("io", "dsv41's I/O engine (csrc/io)");
+  m.attr("ALIGN") = io::kAlign;
+  m.attr("FAULT_REFUSE_DIRECT_OPEN") = static_cast<uint32_t>(io::kFaultRefuseDirectOpen);
+  m.attr("FAULT_REFUSE_DIRECT_IO") = static_cast<uint32_t>(io::kFaultRefuseDirectIo);
+  m.attr("FAULT_NO_SPACE") = static_cast<uint32_t>(io::kFaultNoSpace);
+  m.attr("RECORD_STATUS") = py::make_tuple("ok", "truncated", "header", "checksum", "collision");
+
+  py::class_<AlignedBuffer, std::shared_ptr<AlignedBuffer>>(m, "AlignedBuffer", py::buffer_protocol(),
+                                                            "A zeroed 4 KiB-aligned host buffer.")
+      .def(py::init([](size_t size, bool pin) {
+             auto b = std::make_shared<AlignedBuffer>(size);
+             if (pin) b->pin_host();
+             return b;
+           }),
+           py::arg("size"), py::arg("pin") = false)
+      .def_property_readonly("size", &AlignedBuffer::size)
+      .def_property_readonly("pinned", &AlignedBuffer::pinned)
+      .def_property_readonly("address", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def("__len__", &AlignedBuffer::size)
+      .def_buffer([](AlignedBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.size())}, {static_cast<py::ssize_t>(1)});
+      });
+
+  py::class_<IoEngine, std::shared_ptr<IoEngine>>(m, "IoEngine")
+      .def(py::init<int, uint64_t>(), py::arg("threads"), py::arg("chunk_bytes") = uint64_t(4) << 20)
+      .def_property_readonly("threads", &IoEngine::threads)
+      .def("open",
+           [](IoEngine& e, const std::string& path, int flags, int mode, bool direct) {
+             bool is_direct = false;
+             int fd;
+             {
+               py::gil_scoped_release nogil;
+               fd = e.open(path, flags, mode, direct, &is_direct);
+             }
+             return std::make_tuple(fd, is_direct);
+           },
+           py::arg("path"), py::arg("flags"), py::arg("mode") = 0644, py::arg("direct") = true,
+           "(fd, is_direct); fd is -errno on failure")
+      .def("pread", [](IoEngine& e, const py::list& ops) { return run_ops(e, ops, false); },
+           "ops: [(fd, offset, length, buffer, buffer_offset[, crc_ranges])] -> [(bytes_read, errno[, crcs])]")
+      .def("pwrite", [](IoEngine& e, const py::list& ops) { return run_ops(e, ops, true); },
+           "ops: [(fd, offset, length, buffer, buffer_offset)] -> [(bytes_written, errno)]")
+      .def("read_records", &read_records, py::arg("ops"), py::arg("tokens"), py::arg("key"), py::arg("dst"),
+           py::arg("payload_bytes"),
+           "verified record reads: each worker checks (and copies out) the records of the op it read")
+      .def("crc32c_many",
+           [](IoEngine& e, const py::buffer& b, const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+             ByteView v = byte_view(b, false);
+             std::vector<const uint8_t*> ptrs;
+             std::vector<uint64_t> lens;
+             for (const auto& [off, len] : ranges) {
+               if (off > v.size || len > v.size - off) throw std::invalid_argument("crc range overruns the buffer");
+               ptrs.push_back(v.ptr + off);
+               lens.push_back(len);
+             }
+             std::vector<uint32_t> crcs(ranges.size());
+             {
+               py::gil_scoped_release nogil;
+               e.crc32c_many(ptrs.data(), lens.data(), crcs.data(), crcs.size());
+             }
+             return crcs;
+           })
+      .def("copy_ranges",
+           [](IoEngine& e, const py::buffer& dst, const std::vector<uint64_t>& dst_off, const py::buffer& src,
+              const std::vector<uint64_t>& src_off, uint64_t length) {
+             if (dst_off.size() != src_off.size()) throw std::invalid_argument("dst_off and src_off differ in length");
+             ByteView d = byte_view(dst, true);
+             ByteView s = byte_view(src, false);
+             for (size_t i = 0; i < dst_off.size(); ++i) {
+               if (dst_off[i] > d.size || length > d.size - dst_off[i] || src_off[i] > s.size ||
+                   length > s.size - src_off[i])
+                 throw std::invalid_argument("copy range " + std::to_string(i) + " overruns a buffer");
+             }
+             py::gil_scoped_release nogil;
+             e.copy_ranges(d.ptr, dst_off.data(), s.ptr, src_off.data(), dst_off.size(), length);
+           },
+           py::arg("dst"), py::arg("dst_off"), py::arg("src"), py::arg("src_off"), py::arg("length"),
+           "dst[dst_off[i]:+length] = src[src_off[i]:+length], in parallel")
+      .def("copy_blocks", &copy_blocks, py::arg("dst"), py::arg("dst_idx"), py::arg("src"), py::arg("src_idx"))
+      .def("fsync",
+           [](IoEngine& e, int fd) {
+             py::gil_scoped_release nogil;
+             return e.fsync(fd);
+           })
+      .def("set_faults", &IoEngine::set_faults, py::arg("faults"), py::arg("nospace_after") = 0)
+      .def("counters", [](const IoEngine& e) { return counters_dict(e.counters()); });
+
+  m.def("crc32c",
+        [](const py::buffer& b, uint32_t crc) {
+          ByteView v = byte_view(b, false);
+          py::gil_scoped_release nogil;
+          return dsv41::crc32c(crc, v.ptr, v.size);
+        },
+        py::arg("data"), py::arg("crc") = 0);
+  m.def("crc32c_sw",
+        [](const py::buffer& b, uint32_t crc) {
+          ByteView v = byte_view(b, false);
+          return dsv41::crc32c_sw(crc, v.ptr, v.size);
+        },
+        py::arg("data"), py::arg("crc") = 0);
+  m.def("crc32c_hw",
+        [](const py::buffer& b, uint32_t crc) {
+          if (!crc32c_hw_available()) throw std::runtime_error("no hardware CRC-32C on this CPU");
+          ByteView v = byte_view(b, false);
+          return dsv41::crc32c_hw(crc, v.ptr, v.size);
+        },
+        py::arg("data"), py::arg("crc") = 0);
+  m.def("crc32c_chunked",
+        [](const py::buffer& b, int chunks) {
+          ByteView v = byte_view(b, false);
+          return dsv41::crc32c_chunked(v.ptr, v.size, chunks);
+        },
+        py::arg("data"), py::arg("chunks"));
+  m.def("crc32c_combine", [](uint32_t a, uint32_t b, uint64_t len_b) { return crc::combine(a, b, len_b); });
+  m.def("crc32c_backend", &crc32c_backend);
+  m.def("check_heads", &check_heads, py::arg("heads"), py::arg("specs"), py::arg("tokens"), py::arg("key"),
+        py::arg("payload_bytes"), py::arg("head_bytes"),
+        "record checks for records read into device memory (data CRC computed there)");
+  m.def("cuda_device_count", &io::cuda_device_count);
+  m.def("gds_status", []() {
+    const io::GdsStatus s = io::gds_status();
+    return std::make_tuple(s.available, s.reason);
+  });
+  m.def("cufile_compiled", []() {
+#if defined(DSV41_WITH_CUDA) && defined(DSV41_WITH_CUFILE)
+    return true;
+#else
+    return false;
+#endif
+  });
+
+  py::class_<io::GdsFile, std::shared_ptr<io::GdsFile>>(m, "GdsFile")
+      .def(py::init<const std::string&, bool>(), py::arg("path"), py::arg("write") = false)
+      .def("read",
+           [](io::GdsFile& f, const at::Tensor& dst, uint64_t size, uint64_t file_offset, uint64_t dev_offset) {
+             if (!dst.is_cuda() || !dst.is_contiguous()) throw std::invalid_argument("dst must be a contiguous CUDA tensor");
+             if (dev_offset + size > static_cast<uint64_t>(dst.nbytes())) throw std::invalid_argument("read overruns dst");
+             py::gil_scoped_release nogil;
+             return f.read(dst.data_ptr(), size, file_offset, dev_offset);
+           })
+      .def("write", [](io::GdsFile& f, const at::Tensor& src, uint64_t size, uint64_t file_offset, uint64_t dev_offset) {
+        if (!src.is_cuda() || !src.is_contiguous()) throw std::invalid_argument("src must be a contiguous CUDA tensor");
+        if (dev_offset + size > static_cast<uint64_t>(src.nbytes())) throw std::invalid_argument("write overruns src");
+        py::gil_scoped_release nogil;
+        return f.write(src.data_ptr(), size, file_offset, dev_offset);
+      });
+
+#ifdef DSV41_WITH_CUDA
+  m.def("crc32c_device", &crc32c_device, py::arg("data"), py::arg("offsets"), py::arg("lengths"));
+#endif
+}
+
+}  // namespace dsv41

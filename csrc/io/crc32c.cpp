@@ -1,0 +1,146 @@
+// Host CRC-32C: slice-by-8 tables (portable) and the SSE4.2 crc32 instruction (x86-64,
+// picked at run time), both giving the standard conditioned CRC of include/dsv41/crc32c.h.
+#include "dsv41/crc32c.h"
+
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <nmmintrin.h>
+#define DSV41_CRC_X86 1
+#endif
+
+namespace dsv41 {
+namespace {
+
+struct Tables {
+  uint32_t t[8][256];
+  Tables() {
+    for (uint32_t b = 0; b < 256; ++b) t[0][b] = crc::table_entry(b);
+    for (uint32_t b = 0; b < 256; ++b)
+      for (int k = 1; k < 8; ++k) t[k][b] = (t[k - 1][b] >> 8) ^ t[0][t[k - 1][b] & 0xFFu];
+  }
+};
+
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+uint64_t load_le64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  v = __builtin_bswap64(v);
+#endif
+  return v;
+}
+
+#ifdef DSV41_CRC_X86
+__attribute__((target("sse4.2"))) uint32_t crc_sse42(uint32_t crc, const uint8_t* p, size_t n) {
+  uint64_t c = ~crc;
+  while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
+    c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+    --n;
+  }
+  // Three independent streams hide the instruction's 3-cycle latency; their CRCs are then
+  // merged with the shift operator for one stream length.
+  constexpr size_t kStream = 4096;
+  if (n >= 3 * kStream) {
+    static const uint32_t op = crc::x8nmodp(kStream);
+    while (n >= 3 * kStream) {
+      uint64_t c0 = c, c1 = 0xFFFFFFFFu, c2 = 0xFFFFFFFFu;
+      const uint8_t* p1 = p + kStream;
+      const uint8_t* p2 = p + 2 * kStream;
+      for (size_t i = 0; i < kStream; i += 8) {
+        c0 = _mm_crc32_u64(c0, load_le64(p + i));
+        c1 = _mm_crc32_u64(c1, load_le64(p1 + i));
+        c2 = _mm_crc32_u64(c2, load_le64(p2 + i));
+      }
+      // c0..c2 are raw registers; conditioned CRCs are their complements.
+      uint32_t r = crc::combine_with_op(~static_cast<uint32_t>(c0), ~static_cast<uint32_t>(c1), op);
+      r = crc::combine_with_op(r, ~static_cast<uint32_t>(c2), op);
+      c = ~r;
+      p += 3 * kStream;
+      n -= 3 * kStream;
+    }
+  }
+  while (n >= 8) {
+    c = _mm_crc32_u64(c, load_le64(p));
+    p += 8;
+    n -= 8;
+  }
+  while (n--) c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+  return ~static_cast<uint32_t>(c);
+}
+#endif
+
+}  // namespace
+
+uint32_t crc32c_sw(uint32_t crc, const void* data, size_t n) {
+  const Tables& T = tables();
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  uint32_t c = ~crc;
+  while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
+    c = T.t[0][(c ^ *p++) & 0xFFu] ^ (c >> 8);
+    --n;
+  }
+  while (n >= 8) {
+    uint64_t v = load_le64(p) ^ c;
+    c = T.t[7][v & 0xFF] ^ T.t[6][(v >> 8) & 0xFF] ^ T.t[5][(v >> 16) & 0xFF] ^
+        T.t[4][(v >> 24) & 0xFF] ^ T.t[3][(v >> 32) & 0xFF] ^ T.t[2][(v >> 40) & 0xFF] ^
+        T.t[1][(v >> 48) & 0xFF] ^ T.t[0][v >> 56];
+    p += 8;
+    n -= 8;
+  }
+  while (n--) c = T.t[0][(c ^ *p++) & 0xFFu] ^ (c >> 8);
+  return ~c;
+}
+
+bool crc32c_hw_available() {
+#ifdef DSV41_CRC_X86
+  static const bool ok = __builtin_cpu_supports("sse4.2");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+uint32_t crc32c_hw(uint32_t crc, const void* data, size_t n) {
+#ifdef DSV41_CRC_X86
+  if (crc32c_hw_available()) return crc_sse42(crc, static_cast<const uint8_t*>(data), n);
+#endif
+  return crc32c_sw(crc, data, n);
+}
+
+uint32_t crc32c(uint32_t crc, const void* data, size_t n) {
+  return crc32c_hw_available() ? crc32c_hw(crc, data, n) : crc32c_sw(crc, data, n);
+}
+
+const char* crc32c_backend() { return crc32c_hw_available() ? "sse4.2" : "slice-by-8"; }
+
+const uint32_t* crc32c_byte_table() { return tables().t[0]; }
+
+uint32_t crc32c_chunked(const void* data, size_t n, int chunks) {
+  if (chunks < 1) chunks = 1;
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  const uint32_t* table = crc32c_byte_table();
+  const size_t per = (n + chunks - 1) / chunks;
+  const uint32_t op = crc::x8nmodp(per);
+  uint32_t acc = 0;
+  bool first = true;
+  for (int i = 0; i < chunks; ++i) {
+    const size_t start = per * i;
+    if (start >= n) break;
+    const size_t len = n - start < per ? n - start : per;
+    const uint32_t c = crc::update_bytes(0, p + start, len, table);
+    if (first) {
+      acc = c;
+      first = false;
+    } else {
+      acc = len == per ? crc::combine_with_op(acc, c, op) : crc::combine(acc, c, len);
+    }
+  }
+  return first ? 0u : acc;
+}
+
+}  // namespace dsv41

@@ -1,0 +1,31 @@
+"""The tiered prefix cache (SPEC section 4).
+
+    hashing      block hash chain and cache keys (namespace, model fingerprint, format)
+    layout       the byte layout of one block's payload, from a ModelConfig
+    global_pool  GlobalKVPool: paged, ref-counted global KV blocks on the GPU
+    swa_pool     SwaSnapshotPool: exact SWA snapshots in host DRAM, with a TTL
+    persistent   PersistentStore: verified, crash-safe global KV blocks on SSD
+    manager      PrefixCache: lookup across tiers, insert, promotion, admission
+    metrics      counters and histograms (dict and Prometheus text)
+    io           the C++ I/O engine (O_DIRECT pread/pwrite, CRC-32C, GDS)
+    cli          `dsv41 cache stats|verify|gc`
+
+docs/cache.md describes the design and the on-disk format.
+"""
+from __future__ import annotations
+
+from .errors import (CacheError, LayoutError, PayloadError, PoolFullError, StoreError, StoreLockedError,
+                     StoreMismatchError, StoreReadOnlyError)
+from .global_pool import GlobalKVPool
+from .hashing import BlockHasher, CacheKey, model_fingerprint, sha256
+from .layout import DEFAULT_BLOCK_TOKENS, PAYLOAD_FORMAT_VERSION, BlockLayout
+from .manager import CacheConfig, PrefixCache, PrefixMatch
+from .metrics import CacheMetrics, MetricsRegistry
+from .persistent import PersistentStore, StoreIdentity
+from .swa_pool import SwaSnapshot, SwaSnapshotPool
+
+__all__ = ["BlockHasher", "CacheKey", "model_fingerprint", "sha256", "BlockLayout", "DEFAULT_BLOCK_TOKENS",
+           "PAYLOAD_FORMAT_VERSION", "GlobalKVPool", "SwaSnapshot", "SwaSnapshotPool", "PersistentStore",
+           "StoreIdentity", "CacheConfig", "PrefixCache", "PrefixMatch", "CacheMetrics", "MetricsRegistry",
+           "CacheError", "LayoutError", "PayloadError", "PoolFullError", "StoreError", "StoreLockedError",
+           "StoreMismatchError", "StoreReadOnlyError"]

@@ -1,0 +1,148 @@
+"""Python face of the C++ I/O engine (csrc/io, bound as dsv41._C.io).
+
+    eng = IOEngine(threads=4)
+    f = eng.open(path, os.O_RDONLY)             # O_DIRECT where the filesystem accepts it
+    buf = AlignedBuffer(1 << 20)                # 4 KiB-aligned staging (np.asarray(buf) views it)
+    eng.pread([(f.fd, 0, 1 << 20, buf, 0)])     # -> [(bytes_read, errno)], GIL released
+    crc32c(b"123456789") == 0xE3069283
+
+`io_info()` says which path is active: "gds" (GPUDirect Storage through libcufile, loaded
+at run time) when dsv41 was built with CUDA and cuFile headers and a GPU, its driver and
+the library are present, else "posix" (pread/pwrite, O_DIRECT with 4 KiB alignment where
+the filesystem accepts it, page cache otherwise).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import site
+import sysconfig
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import _C
+
+__all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "crc32c", "crc32c_sw",
+           "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",
+           "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE"]
+
+_io = _C.io
+ALIGN: int = _io.ALIGN
+AlignedBuffer = _io.AlignedBuffer
+FAULT_REFUSE_DIRECT_OPEN: int = _io.FAULT_REFUSE_DIRECT_OPEN
+FAULT_REFUSE_DIRECT_IO: int = _io.FAULT_REFUSE_DIRECT_IO
+FAULT_NO_SPACE: int = _io.FAULT_NO_SPACE
+RECORD_STATUS: tuple[str, ...] = _io.RECORD_STATUS  # codes of IoEngine.read_records
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def crc32c(data, crc: int = 0) -> int:
+    """CRC-32C of a bytes-like object (hardware instruction where the CPU has it)."""
+    return _io.crc32c(data, crc)
+
+
+def crc32c_sw(data, crc: int = 0) -> int:
+    return _io.crc32c_sw(data, crc)
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    return _io.crc32c_combine(crc_a, crc_b, len_b)
+
+
+@dataclass
+class OpenFile:
+    fd: int
+    direct: bool
+    path: str
+
+
+class IOEngine:
+    """A pool of I/O threads; every call blocks until its whole batch is done."""
+
+    def __init__(self, threads: int = 4, chunk_bytes: int = 4 << 20):
+        self._eng = _io.IoEngine(max(1, int(threads)), int(chunk_bytes))
+
+    @property
+    def threads(self) -> int:
+        return self._eng.threads
+
+    def open(self, path: str, flags: int, mode: int = 0o644, direct: bool = True) -> OpenFile:
+        fd, is_direct = self._eng.open(os.fspath(path), flags, mode, direct)
+        if fd < 0:
+            raise OSError(-fd, os.strerror(-fd), os.fspath(path))
+        return OpenFile(fd, is_direct, os.fspath(path))
+
+    def pread(self, ops: list) -> list[tuple[int, int]]:
+        """ops: [(fd, file_offset, length, buffer, buffer_offset)] -> [(bytes_read, errno)]."""
+        return self._eng.pread(ops)
+
+    def pwrite(self, ops: list) -> list[tuple[int, int]]:
+        return self._eng.pwrite(ops)
+
+    def write_all(self, fd: int, offset: int, buf, buf_offset: int, length: int, path: str = "") -> None:
+        """One write that must complete; raises OSError (errno ENOSPC, EFBIG, ...) if not."""
+        [(done, err)] = self._eng.pwrite([(fd, offset, length, buf, buf_offset)])
+        if err or done != length:
+            err = err or 5  # EIO for a short write without an errno
+            raise OSError(err, os.strerror(err), path)
+
+    def crc32c_many(self, buf, ranges: list[tuple[int, int]]) -> list[int]:
+        return self._eng.crc32c_many(buf, ranges)
+
+    def copy_ranges(self, dst, dst_off: list[int], src, src_off: list[int], length: int) -> None:
+        """dst[dst_off[i]: dst_off[i] + length] = src[src_off[i]: ...] for buffers, in parallel."""
+        self._eng.copy_ranges(dst, dst_off, src, src_off, length)
+
+    def copy_blocks(self, dst, dst_idx: list[int], src, src_idx: list[int]) -> None:
+        """dst[dst_idx[i]] = src[src_idx[i]] for uint8 [blocks, block_bytes] tensors, host or
+        device (device copies are enqueued on the current CUDA stream)."""
+        self._eng.copy_blocks(dst, list(dst_idx), src, list(src_idx))
+
+    def fsync(self, fd: int, path: str = "") -> None:
+        r = self._eng.fsync(fd)
+        if r < 0:
+            raise OSError(-r, os.strerror(-r), path)
+
+    def set_faults(self, faults: int, nospace_after: int = 0) -> None:
+        """Test hook: FAULT_* flags (simulated O_DIRECT refusal, disk full after N bytes)."""
+        self._eng.set_faults(faults, nospace_after)
+
+    def counters(self) -> dict:
+        return self._eng.counters()
+
+
+def staging(size: int, pin: bool = False) -> tuple[AlignedBuffer, np.ndarray]:
+    """A 4 KiB-aligned buffer and a uint8 numpy view of it."""
+    buf = AlignedBuffer(size, pin)
+    return buf, np.asarray(buf)
+
+
+def _point_at_wheel_cufile() -> None:
+    """libcufile from the nvidia-cufile wheel is not on the loader path: name it for the
+    engine's dlopen unless the user already chose one."""
+    if os.environ.get("DSV41_CUFILE_LIB"):
+        return
+    roots = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
+    for root in roots:
+        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libcufile.so.0"))):
+            os.environ["DSV41_CUFILE_LIB"] = lib
+            return
+
+
+def io_info() -> dict:
+    """Which I/O path is active, for build_info() and `dsv41 info`."""
+    _point_at_wheel_cufile()
+    gds_ok, gds_reason = _io.gds_status()
+    return {
+        "backend": "gds" if gds_ok else "posix",
+        "posix": "pread/pwrite, O_DIRECT (4 KiB aligned) where the filesystem accepts it",
+        "gds_available": gds_ok,
+        "gds_detail": gds_reason,
+        "cufile_compiled": _io.cufile_compiled(),
+        "crc32c": _io.crc32c_backend(),
+        "cuda_devices": _io.cuda_device_count(),
+    }

@@ -1,0 +1,166 @@
+"""The C++ I/O engine: CRC-32C against published vectors, and the pread/pwrite paths
+(O_DIRECT, the buffered fallback, unaligned reads, short reads, disk full)."""
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dsv41 import _C
+from dsv41.cache import io
+
+# RFC 3720 (iSCSI) appendix B.4 and the common check value.
+VECTORS = [(b"123456789", 0xE3069283), (bytes(32), 0x8A9136AA), (b"\xff" * 32, 0x62A8AB43),
+           (bytes(range(32)), 0x46DD794E), (bytes(range(31, -1, -1)), 0x113FDB5C), (b"", 0)]
+
+
+@pytest.mark.parametrize("data, want", VECTORS)
+def test_crc32c_vectors(data, want):
+    assert io.crc32c(data) == want and io.crc32c_sw(data) == want
+    if _C.io.crc32c_backend() == "sse4.2":
+        assert _C.io.crc32c_hw(data) == want
+
+
+def test_crc32c_paths_agree_on_odd_lengths_and_alignments():
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, 70000, dtype=np.uint8)
+    for start, n in [(0, 1), (1, 7), (3, 4095), (5, 12289), (7, 3 * 4096 * 2 + 13), (0, 70000)]:
+        piece = data[start:start + n]
+        ref = io.crc32c_sw(piece)
+        assert io.crc32c(piece) == ref
+        # The chunk-and-combine schedule of the CUDA kernel, run on the host.
+        for chunks in (1, 3, 256):
+            assert _C.io.crc32c_chunked(piece, chunks) == ref
+        # Continuation and combination.
+        k = n // 3
+        a, b = io.crc32c(piece[:k]), io.crc32c(piece[k:])
+        assert io.crc32c(piece[k:], a) == ref and io.crc32c_combine(a, b, n - k) == ref
+
+
+def _file(tmp_path, data: bytes) -> str:
+    p = tmp_path / "f.bin"
+    p.write_bytes(data)
+    return str(p)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_aligned_reads_and_writes(tmp_path, direct):
+    eng = io.IOEngine(threads=3, chunk_bytes=8192)  # small chunks: one op spans several threads
+    size = 5 * io.ALIGN * 4
+    buf, view = io.staging(size)
+    view[:] = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    f = eng.open(str(tmp_path / "w.bin"), os.O_WRONLY | os.O_CREAT, direct=direct)
+    assert f.direct == direct or not direct
+    [(done, err)] = eng.pwrite([(f.fd, 0, size, buf, 0)])
+    eng.fsync(f.fd)
+    os.close(f.fd)
+    assert (done, err) == (size, 0)
+    assert (tmp_path / "w.bin").read_bytes() == view.tobytes()
+    rbuf, rview = io.staging(size)
+    r = eng.open(str(tmp_path / "w.bin"), os.O_RDONLY, direct=direct)
+    res = eng.pread([(r.fd, 0, size // 2, rbuf, 0), (r.fd, size // 2, size // 2, rbuf, size // 2)])
+    os.close(r.fd)
+    assert res == [(size // 2, 0)] * 2 and np.array_equal(rview, view)
+    c = eng.counters()
+    assert c["bytes_read"] >= size and c["bytes_written"] >= size
+    assert (c["direct_ops"] > 0) == (direct and f.direct)
+
+
+def test_unaligned_read_on_a_direct_fd_goes_through_a_bounce_buffer(tmp_path):
+    data = os.urandom(3 * io.ALIGN + 100)
+    eng = io.IOEngine(2)
+    f = eng.open(_file(tmp_path, data), os.O_RDONLY, direct=True)
+    out = np.zeros(5000, np.uint8)  # numpy buffer, not 4 KiB aligned
+    [(done, err)] = eng.pread([(f.fd, 1234, 5000, out, 0)])
+    assert (done, err) == (5000, 0) and out.tobytes() == data[1234:6234]
+    # A short read at the end of the file reports what was there.
+    [(done, err)] = eng.pread([(f.fd, len(data) - 10, 4096, np.zeros(4096, np.uint8), 0)])
+    assert (done, err) == (10, 0)
+    os.close(f.fd)
+
+
+def test_refused_o_direct_falls_back_cleanly(tmp_path):
+    data = os.urandom(2 * io.ALIGN)
+    eng = io.IOEngine(2)
+    eng.set_faults(io.FAULT_REFUSE_DIRECT_OPEN)  # as tmpfs did before Linux 6.6
+    f = eng.open(_file(tmp_path, data), os.O_RDONLY, direct=True)
+    assert not f.direct
+    buf, view = io.staging(len(data))
+    assert eng.pread([(f.fd, 0, len(data), buf, 0)]) == [(len(data), 0)] and view.tobytes() == data
+    os.close(f.fd)
+    assert eng.counters()["direct_fallbacks"] == 1
+    # Refused at I/O time instead (some FUSE and network filesystems): O_DIRECT is dropped
+    # from the fd and the op retried through the page cache.
+    eng2 = io.IOEngine(1)
+    eng2.set_faults(io.FAULT_REFUSE_DIRECT_IO)
+    g = eng2.open(str(tmp_path / "f.bin"), os.O_RDONLY, direct=True)
+    view[:] = 0
+    assert eng2.pread([(g.fd, 0, len(data), buf, 0)]) == [(len(data), 0)] and view.tobytes() == data
+    c = eng2.counters()
+    assert c["direct_fallbacks"] == 1 and c["buffered_ops"] >= 1
+    os.close(g.fd)
+
+
+def test_disk_full_is_reported_not_hidden(tmp_path):
+    eng = io.IOEngine(1)
+    buf, _ = io.staging(4 * io.ALIGN)
+    f = eng.open(str(tmp_path / "full.bin"), os.O_WRONLY | os.O_CREAT, direct=True)
+    eng.set_faults(io.FAULT_NO_SPACE, nospace_after=io.ALIGN)
+    [(done, err)] = eng.pwrite([(f.fd, 0, 4 * io.ALIGN, buf, 0)])
+    assert done == io.ALIGN and err == errno.ENOSPC
+    with pytest.raises(OSError) as e:
+        eng.write_all(f.fd, 0, buf, 0, io.ALIGN)
+    assert e.value.errno == errno.ENOSPC
+    os.close(f.fd)
+    # Bad fds and buffer overruns are errors too.
+    assert eng.pread([(-1, 0, 10, np.zeros(10, np.uint8), 0)])[0][1] == errno.EBADF
+    with pytest.raises(ValueError, match="overruns"):
+        eng.pread([(0, 0, 100, np.zeros(10, np.uint8), 0)])
+    with pytest.raises(OSError):
+        eng.open(str(tmp_path / "no" / "such"), os.O_RDONLY)
+
+
+def test_copies_and_buffers():
+    eng = io.IOEngine(2)
+    src = torch.arange(5 * 64, dtype=torch.int32).view(torch.uint8).reshape(5, -1).clone()
+    dst = torch.zeros_like(src)
+    eng.copy_blocks(dst, [4, 0, 2], src, [0, 1, 4])
+    assert torch.equal(dst[4], src[0]) and torch.equal(dst[0], src[1]) and torch.equal(dst[2], src[4])
+    assert not dst[1].any() and not dst[3].any()
+    with pytest.raises(IndexError):
+        eng.copy_blocks(dst, [5], src, [0])
+    a = np.arange(100, dtype=np.uint8)
+    b = np.zeros(100, np.uint8)
+    eng.copy_ranges(b, [0, 50], a, [10, 60], 20)
+    assert b[:20].tolist() == list(range(10, 30)) and b[50:70].tolist() == list(range(60, 80))
+    buf = io.AlignedBuffer(10000)
+    assert buf.address % io.ALIGN == 0 and len(np.asarray(buf)) == 10000 and not np.asarray(buf).any()
+
+
+def test_io_info_reports_the_active_path():
+    info = io.io_info()
+    assert info["backend"] in ("posix", "gds") and info["crc32c"] in ("sse4.2", "slice-by-8")
+    if not torch.cuda.is_available():
+        assert info["backend"] == "posix" and not info["gds_available"] and info["gds_detail"]
+
+
+def test_reads_checksum_ranges_in_the_worker(tmp_path):
+    data = os.urandom(3 * io.ALIGN)
+    path = _file(tmp_path, data)
+    ranges = [(0, 100), (5000, 3000), (4096, 8192)]
+    for chunk in (4 << 20, 4096):  # one worker per op, or an op split across workers
+        eng = io.IOEngine(2, chunk_bytes=chunk)
+        f = eng.open(path, os.O_RDONLY, direct=True)
+        buf, view = io.staging(3 * io.ALIGN)
+        [(done, err, crcs)] = eng.pread([(f.fd, 0, 3 * io.ALIGN, buf, 0, ranges)])
+        assert (done, err) == (3 * io.ALIGN, 0)
+        assert crcs == [io.crc32c(data[o:o + n]) for o, n in ranges]
+        # Past the end of the file: the ranges the read did not fill get 0.
+        [(done, err, crcs)] = eng.pread([(f.fd, 2 * io.ALIGN, 2 * io.ALIGN, buf, 0, [(0, 10), (4096, 10)])])
+        assert done == io.ALIGN and crcs == [io.crc32c(data[2 * io.ALIGN:2 * io.ALIGN + 10]), 0]
+        with pytest.raises(ValueError, match="outside"):
+            eng.pread([(f.fd, 0, 100, buf, 0, [(50, 51)])])
+        os.close(f.fd)
