@@ -50,13 +50,20 @@ def test_exact_replay_through_engine_equals_cold(tiny_model, make_cache):
     assert ref.stats.path == "cold"
     assert o.output_tokens == ref.output_tokens
     assert all(torch.equal(a, b) for a, b in zip(o.logits, ref.logits))
-    # bounded: exactly W replayed tokens, and nothing approximate is written back
-    blocks = cache.pool.stats()
-    o = Engine(m, cache=cache, replay="bounded").generate([p[:130] + [1, 2, 3, 4]], SP)[0]
+    # bounded: exactly W replayed tokens; strict mode writes nothing approximate back
+    q = p[:130] + [1, 2, 3, 4]
+    strict = Engine(m, cache=cache, replay="bounded", write_approximate=False)
+    o = strict.generate([q], SP)[0]
     assert o.stats.path == "encoder_replay" and o.stats.replayed_tokens == m.config.sliding_window
     assert o.stats.prefill_tokens == 134 - 112 and not o.stats.global_exact
-    assert cache.pool.stats() == blocks or o.stats.bytes.get("global_written", 0) == 0
-    assert "swa_written" not in o.stats.bytes
+    assert o.stats.bytes.get("global_written", 0) == 0 and "swa_written" not in o.stats.bytes
+    assert strict.generate([q + o.output_tokens + [5]], SP)[0].stats.path == "encoder_replay"
+    # the default caches the replayed session's own state: its next turn resumes from it
+    prod = Engine(m, cache=cache, replay="bounded")
+    o = prod.generate([q], SP)[0]
+    assert o.stats.path == "encoder_replay" and o.stats.bytes["swa_written"] > 0
+    nxt = prod.generate([q + o.output_tokens + [5]], SP)[0]
+    assert nxt.stats.path == "both_hit" and nxt.stats.prefill_tokens == 2   # last output token + 1
 
 
 def test_replay_off_recomputes(tiny_model, make_cache):

@@ -9,8 +9,9 @@
 
 Each step plans newly admitted prompts (cache lookup -> path -> state), runs their
 prefills together with every running decode in one model call, samples, and finishes
-sequences on a stop token or max_new_tokens. Exact states are written back to the cache
-after the prefill and at the end of the output (engine/prefix.py).
+sequences on a stop token or max_new_tokens. States are written back to the cache after
+the prefill and at the end of the output (engine/prefix.py; write_approximate=False caches
+only states equal to a full prefill).
 """
 from __future__ import annotations
 
@@ -38,11 +39,12 @@ __all__ = ["Engine"]
 class Engine:
     def __init__(self, model: Model, cache: PrefixCache | None = None,
                  replay: ReplayConfig | str | None = "bounded", *, max_batch: int = 8,
-                 max_prefill_tokens: int = 8192, clock: Callable[[], float] = time.perf_counter):
+                 max_prefill_tokens: int = 8192, write_approximate: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
         self.model = model
         self.cache = cache
         self.replay = ReplayConfig.parse(replay)
-        self.prefix = PrefixIO(model, cache)
+        self.prefix = PrefixIO(model, cache, write_approximate)
         self.runner = ModelRunner(model)
         self.scheduler = Scheduler(max_batch, max_prefill_tokens)
         self.clock = clock

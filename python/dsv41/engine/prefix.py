@@ -1,11 +1,14 @@
 """The engine's side of the prefix cache: look a prompt up, plan its path, build its
 state from the cached global KV (and SWA snapshot), and write exact results back.
 
-Write-back rule: only state equal to a full prefill is cached, so a replayed
-(approximate) state can never leak into another request. Blocks are inserted when the
-state's global KV is exact (cold, recompute, both hit, exact replay, decoder replay: the
-encoder ran on every token); SWA snapshots only when its SWA state is exact too (never
-after bounded encoder replay or decoder replay, SPEC section 5).
+Write-back rule. Blocks are inserted when the state's global KV is exact (cold, recompute,
+both hit, exact replay, decoder replay: the encoder ran on every token); SWA snapshots when
+its SWA state is exact too. A state after decoder replay never gives a snapshot (SPEC
+section 5: decode only, never cached). A state after bounded encoder replay is the
+session's own state from then on: with write_approximate=True (the engine's default, as
+production runtimes do) its blocks and snapshots are cached, so the conversation's next
+turn resumes from them; with False (strict) only states equal to a full prefill are ever
+cached, so approximate KV can never reach another request.
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ __all__ = ["PrefixIO"]
 
 
 class PrefixIO:
-    def __init__(self, model: Model, cache: PrefixCache | None):
+    def __init__(self, model: Model, cache: PrefixCache | None, write_approximate: bool = True):
         self.model, self.cache = model, cache
+        self.write_approximate = write_approximate
         if cache is not None and cache.config.fingerprint() != model.config.fingerprint():
             raise ValueError("the cache was built for another model config")
 
@@ -76,7 +80,7 @@ class PrefixIO:
     def write_back(self, seq: Sequence) -> None:
         """Insert the state's new full blocks and its SWA snapshot (if exact)."""
         cache, plan, state = self.cache, seq.plan, seq.state
-        if cache is None or not plan.global_exact:
+        if cache is None or not (plan.global_exact or self.write_approximate):
             return
         B = cache.block_tokens
         nb = state.position // B
@@ -91,7 +95,8 @@ class PrefixIO:
                                      namespace=seq.request.namespace)
         written = (nb - have) * cache.layout.block_bytes if nb > have else 0
         seq.stats.bytes["global_written"] = seq.stats.bytes.get("global_written", 0) + written
-        if plan.swa_exact and cache.swa is not None:
+        swa_ok = plan.swa_exact or (self.write_approximate and not plan.decoder_replay)
+        if swa_ok and cache.swa is not None:
             snap = snapshot_to_cache(state.snapshot_swa(snapshot_boundary(cache.layout, state.position)))
             if cache.put_snapshot(state.tokens, snap, namespace=seq.request.namespace):
                 seq.stats.bytes["swa_written"] = seq.stats.bytes.get("swa_written", 0) + snap.nbytes
