@@ -87,12 +87,14 @@ def bench_decoder_replay(model: Model, batch: int, lengths: list[int], seed: int
     for n in lengths:
         prompts = [torch.randint(0, c.vocab_size, (n,), generator=g) for _ in range(batch)]
         row = {"prompt_tokens": n, "batch": batch}
-        for mode in ("off", "on"):
+        # "encoder_only": the decoder on the last token only - how the time splits between
+        # the encoder and the decoder layers on this implementation.
+        starts = {"off": None, "on": (n - W) if n > W else None, "encoder_only": n - 1}
+        for mode in ("off", "on", "encoder_only"):
             load = os.getloadavg()[0]
             log(f"decoder replay {mode}: batch {batch} x {n} tokens ...")
             t0 = time.perf_counter()
-            model.extend_batch([Extend(p, model.new_state(),
-                                       decoder_start=(n - W) if mode == "on" and n > W else None)
+            model.extend_batch([Extend(p, model.new_state(), decoder_start=starts[mode])
                                 for p in prompts])
             dt = time.perf_counter() - t0
             row[f"decoder_replay_{mode}"] = {"seconds": dt, "tokens_per_s": batch * n / dt,
@@ -100,6 +102,9 @@ def bench_decoder_replay(model: Model, batch: int, lengths: list[int], seed: int
             log(f"  {dt:.1f} s ({batch * n / dt:.0f} tok/s)")
         row["measured_speedup"] = row["decoder_replay_off"]["seconds"] / row["decoder_replay_on"]["seconds"]
         row["flop_ratio"] = prefill_flops(c, n) / prefill_flops(c, n, max(0, n - W))
+        enc = row["decoder_replay_encoder_only"]["seconds"]
+        row["measured_decoder_share_off"] = (row["decoder_replay_off"]["seconds"] - enc) / row["decoder_replay_off"]["seconds"]
+        row["flop_decoder_share_off"] = 1 - prefill_flops(c, n, n - 1) / prefill_flops(c, n)
         out.append(row)
     return out
 

@@ -53,13 +53,16 @@ def _workload(args, vocab: int) -> tuple[list[int], list[list[tuple[str, list[in
     return shared, convs
 
 
-def run_demo(args, out=sys.stdout, err=sys.stderr) -> dict:
+def run_demo(args, out=None, err=None) -> dict:
     from ..cache import CacheConfig, PrefixCache
     from ..cache.adapter import cache_fingerprint
     from ..config import ModelConfig
     from ..model import Model
     from .llm_engine import Engine
     from .request import SamplingParams
+
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
 
     def progress(msg: str) -> None:
         if not args.quiet:

@@ -90,6 +90,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests that finished in it."""
+        self._events = []                    # stream events of this step only
         step = self.scheduler.schedule(self._planned_tokens)
         if not step:
             return []
@@ -174,7 +175,6 @@ class Engine:
                     outs[out.request_id] = out
                     if progress:
                         progress(out)
-            self._events.clear()
         return [outs[r] for r in rids]
 
     def stream(self, prompt, sampling: SamplingParams | None = None, *, namespace: str = "",
@@ -184,7 +184,7 @@ class Engine:
         rid = self.add_request(prompt, sampling, namespace=namespace, replay=replay)
         while True:
             self.step()
-            events, self._events = self._events, []
+            events = self._events
             mine = [e for e in events if e.request_id == rid]
             yield from mine
             if any(e.finished for e in mine):
