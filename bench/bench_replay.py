@@ -147,6 +147,15 @@ def bench_ttft(model: Model, prefixes: list[int], suffix: int, block: int, seed:
     return out
 
 
+def _commit() -> str | None:
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="v41-small")
@@ -166,7 +175,9 @@ def main(argv=None) -> int:
     model.prefill(list(range(8)), model.new_state())          # warm-up (lazy init, f64 weights)
     res = {"preset": config.name, "device": args.device, "torch": torch.__version__,
            "host": platform.node(), "cpu_count": os.cpu_count(), "window": config.sliding_window,
-           "published": {"sglang_decoder_replay_speedup_8xH200_batch8_8K": 1.56}}
+           "published": {"sglang_decoder_replay_speedup_8xH200_batch8_8K": 1.56},
+           "command": "python bench/bench_replay.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if not args.skip_throughput:
         res["decoder_replay_prefill"] = bench_decoder_replay(model, args.batch, args.lengths, args.seed)
     if not args.skip_ttft:
