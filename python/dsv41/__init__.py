@@ -25,4 +25,16 @@ from .config import ConfigError, LayerPlan, ModelConfig  # noqa: E402
 from .model import Model, SequenceState  # noqa: E402
 
 __all__ = ["__version__", "build_info", "formats", "ops", "ModelConfig", "LayerPlan",
-           "ConfigError", "kv_budget", "KVBudget", "Model", "SequenceState"]
+           "ConfigError", "kv_budget", "KVBudget", "Model", "SequenceState", "Engine",
+           "SamplingParams", "RequestOutput", "ReplayConfig"]
+
+_LAZY = {"Engine": "engine", "SamplingParams": "engine", "RequestOutput": "engine",
+         "ReplayConfig": "replay"}
+
+
+def __getattr__(name: str):
+    """dsv41.Engine, dsv41.SamplingParams, dsv41.ReplayConfig (imported on first use)."""
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'dsv41' has no attribute {name!r}")

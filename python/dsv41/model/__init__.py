@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from .checkpoint import CheckpointError
 from .context import swa_index
-from .model import Block, Model
+from .model import Block, Extend, Model
 from .state import RowStore, SequenceState, SwaSnapshot, state_bytes_equal, state_diff
 
-__all__ = ["Model", "Block", "SequenceState", "RowStore", "SwaSnapshot", "state_bytes_equal",
+__all__ = ["Model", "Block", "Extend", "SequenceState", "RowStore", "SwaSnapshot", "state_bytes_equal",
            "state_diff", "CheckpointError", "swa_index"]

@@ -69,18 +69,21 @@ class Attention(nn.Module):
         return qr, self.rope.rotate(q, positions)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
-                kv_input: torch.Tensor | None = None) -> torch.Tensor:
+                kv_input: torch.Tensor | None = None,
+                kv_ctx: ForwardContext | None = None) -> torch.Tensor:
         """x [total tokens, hidden] (the normalized layer input) -> [total tokens, hidden].
 
         kv_input: what the compressor projects (default x). The decoder's Full layer is
-        given attn_norm(H_enc); both are the same tensor in a plain forward."""
+        given attn_norm(H_enc); both are the same tensor in a plain forward. kv_ctx: the
+        segments kv_input belongs to (decoder replay: every token of the call, while x and
+        ctx cover only the decoder's last tokens)."""
         c, p = self.config, self.plan
         pos = ctx.positions
         qr, q = self.queries(x, pos)
         swa = self.rope.rotate(self.kv_norm(self.wkv(x)), pos)
         swa_values, swa_scales = formats.quantize_fp8_swa(swa)
         if p.owns_kv:
-            self.compressor.append(x if kv_input is None else kv_input, ctx, self.rope,
+            self.compressor.append(x if kv_input is None else kv_input, kv_ctx or ctx, self.rope,
                                    getattr(self, "indexer", None) if p.owns_indexer_keys else None)
         use_index = p.owns_index_query and not ctx.dense
         if use_index:

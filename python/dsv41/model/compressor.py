@@ -60,15 +60,25 @@ class Compressor(nn.Module):
         score_all = self.wgate(kv_input) if m > 1 else None
         for seg in ctx.segments:
             kv, score = kv_all[seg.rows], None if score_all is None else score_all[seg.rows]
+            # Replay: tokens whose global KV is cached are skipped (read, never recomputed);
+            # cached_until is aligned to every ratio, so no partial block precedes it.
+            skip = 0 if seg.cached_until is None else min(seg.length,
+                                                          max(0, seg.cached_until - seg.start))
+            start = seg.start + skip
+            if skip:
+                kv = kv[skip:]
+                score = None if score is None else score[skip:]
             if m > 1:
                 old_kv, old_score = seg.state.pending[self.layer]
+                if skip:
+                    old_kv, old_score = old_kv[:0], old_score[:0]
                 kv, score = torch.cat((old_kv, kv)), torch.cat((old_score, score))
             n = kv.shape[0] // m
-            first = seg.start // m  # entries before this call
+            first = start // m  # entries before this call
             if seg.state.main_kv[self.layer].n != first:
                 raise RuntimeError(f"layer {self.layer}: state holds "
                                    f"{seg.state.main_kv[self.layer].n} entries at position "
-                                   f"{seg.start}, expected {first}")
+                                   f"{start}, expected {first}")
             if m > 1:
                 seg.pending_new[self.layer] = (kv[n * m:].clone(), score[n * m:].clone())
             if n == 0:

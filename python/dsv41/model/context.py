@@ -41,6 +41,13 @@ class Segment:
     tokens: torch.Tensor          # int64 [T]
     offset: int                   # first row of this segment in the batch
     swa_start: int = 0
+    # Replay (docs/replay.md): global KV of positions < cached_until is already in the
+    # state and is read as cached (the compressor skips those tokens). None: nothing past
+    # the state's position is cached.
+    cached_until: int | None = None
+    # A decoder segment of decoder replay covers the call's tokens from `base` on: it
+    # starts at state.position + base and commits only its SWA rings.
+    base: int = 0
     # Staged writes, committed after the last layer.
     swa_new: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     pending_new: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -51,7 +58,7 @@ class Segment:
 
     @property
     def start(self) -> int:
-        return self.state.position
+        return self.state.position + self.base
 
     @property
     def length(self) -> int:
@@ -65,8 +72,9 @@ class Segment:
     def positions(self) -> torch.Tensor:
         return torch.arange(self.start, self.start + self.length, device=self.tokens.device)
 
-    def commit(self) -> None:
-        """Apply the staged writes: global entries, SWA rings, compressor state, tokens."""
+    def commit(self, advance: bool = True) -> None:
+        """Apply the staged writes: global entries, SWA rings, compressor state, tokens
+        (advance=False: the SWA rings only, for a decoder-replay segment)."""
         st = self.state
         W = st.config.sliding_window
         for store in (*st.main_kv.values(), *st.index_keys.values()):
@@ -77,6 +85,8 @@ class Segment:
         for layer, (values, scales) in self.swa_new.items():
             st.swa_values[layer][slots] = values[-keep:]
             st.swa_scales[layer][slots] = scales[-keep:]
+        if not advance:
+            return
         st.pending.update(self.pending_new)
         st.tokens.extend(int(t) for t in self.tokens.tolist())
         st.position += self.length

@@ -7,6 +7,8 @@
     all_lp = model.prefill(more_ids, state, return_all_logits=True)   # [T, vocab]
     outs = model.prefill_batch([ids_a, ids_b], [state_a, state_b])     # list of [vocab]
     model.save_pretrained(path); Model.from_pretrained(path)
+    outs = model.extend_batch([Extend(ids, state, swa_start=s, cached_until=H,
+                                      decoder_start=d)])   # replay (docs/replay.md)
 
 The network: embedding; 40 pre-norm residual blocks (attention + MoE), the first
 num_encoder_layers forming the causal encoder, the rest the decoder; final RMSNorm; head.
@@ -21,6 +23,7 @@ its staged writes back, so a state is only ever advanced by a whole call.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,9 +36,32 @@ from .layers import Embedding, Linear, RMSNorm
 from .moe import MoE
 from .state import SequenceState
 
-__all__ = ["Block", "Model"]
+__all__ = ["Block", "Extend", "Model"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+@dataclass
+class Extend:
+    """One sequence of an `extend_batch` call: the general form of a prefill, for replay.
+
+    tokens run from state.position on. swa_start: the first position any query's SWA window
+    may reach (SPEC section 5: query i sees [max(swa_start, i - W + 1), i]); it must lie in
+    [0, state.position]. cached_until: the state already holds the global KV (and indexer
+    keys) of tokens [0, cached_until), a multiple of every ratio at or after the position;
+    tokens before it rebuild SWA state only and read that KV as cached, never recomputing
+    or overwriting it. decoder_start: decoder replay - the decoder layers run only on
+    tokens from this position on (their SWA windows start there too), while the decoder's
+    global KV is still projected from the encoder output of every token. all_logits: every
+    new token's logits (impossible with decoder_start past the position).
+    """
+
+    tokens: object
+    state: SequenceState
+    swa_start: int = 0
+    cached_until: int | None = None
+    decoder_start: int | None = None
+    all_logits: bool = False
 
 
 class Block(nn.Module):
@@ -153,6 +179,54 @@ class Model(nn.Module):
             raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(states)} states")
         return torch.stack(self.prefill_batch([_one_token(t) for t in tokens], states))
 
+    def extend_batch(self, items: Sequence[Extend], *, trace: dict | None = None
+                     ) -> list[torch.Tensor]:
+        """Run several `Extend`s in one pass (any mix of plain prefills, decodes, encoder
+        replays and decoder replays); each result equals running it alone. Returns per
+        item the last token's logits [vocab], or [T, vocab] with all_logits."""
+        items = list(items)
+        for b, it in enumerate(items):
+            if not isinstance(it, Extend):
+                raise TypeError(f"extend_batch: item {b} is {type(it).__name__}, not an Extend")
+        segs = self._segments([it.tokens for it in items], [it.state for it in items])
+        dec_from = []
+        for b, (it, seg) in enumerate(zip(items, segs)):
+            where = f"sequence {b}: " if len(items) > 1 else ""
+            self._check_replay(it, seg, where)
+            seg.swa_start = int(it.swa_start)
+            seg.cached_until = None if it.cached_until is None else int(it.cached_until)
+            dec_from.append(0 if it.decoder_start is None else int(it.decoder_start) - seg.start)
+        return self._run(segs, [bool(it.all_logits) for it in items], trace=trace,
+                         dec_from=dec_from)
+
+    def _check_replay(self, it: Extend, seg: Segment, where: str) -> None:
+        st, pos, n = it.state, seg.start, seg.length
+        if not 0 <= int(it.swa_start) <= pos:
+            raise ValueError(f"{where}swa_start={it.swa_start} must lie in [0, {pos}] "
+                             f"(the state's position)")
+        if it.cached_until is not None:
+            H = int(it.cached_until)
+            m = st._block_multiple()
+            if H < pos or H % m:
+                raise ValueError(f"{where}cached_until={H} must be a multiple of {m} (every "
+                                 f"ratio) at or after the position {pos}")
+            for layer, store in (*st.main_kv.items(), *st.index_keys.items()):
+                want = H // self.config.compress_ratios[layer]
+                if store.n != want:
+                    raise ValueError(f"{where}cached_until={H}: layer {layer} holds {store.n} "
+                                     f"global entries, not the {want} of tokens [0, {H})")
+            if H > pos and any(kv.shape[0] for kv, _ in st.pending.values()):
+                raise ValueError(f"{where}cached_until={H} > position {pos} needs an empty "
+                                 f"compressor state (replay starts at a block boundary)")
+        if it.decoder_start is not None:
+            d = int(it.decoder_start)
+            if not pos <= d < pos + n:
+                raise ValueError(f"{where}decoder_start={d} must lie in [{pos}, {pos + n - 1}]")
+            if d > pos and it.all_logits:
+                raise ValueError(f"{where}decoder replay (decoder_start={d} > position {pos}) "
+                                 f"cannot return every token's logits: the decoder does not "
+                                 f"run on tokens before {d}")
+
     # ---- validation -------------------------------------------------------------------
 
     def _segments(self, token_lists: list, states: list) -> list[Segment]:
@@ -220,34 +294,58 @@ class Model(nn.Module):
     # ---- the forward pass -------------------------------------------------------------
 
     @torch.no_grad()
-    def _run(self, segs: list[Segment], all_logits: list[bool], *, trace: dict | None = None
-             ) -> list[torch.Tensor]:
+    def _run(self, segs: list[Segment], all_logits: list[bool], *, trace: dict | None = None,
+             dec_from: list[int] | None = None) -> list[torch.Tensor]:
         if trace is not None and len(segs) != 1:
             raise ValueError("trace is supported for one sequence at a time")
         ctx = ForwardContext.build(segs, dense=self.dense_attention, trace=trace)
+        enc_ctx, h_enc, dsegs = None, None, []
+        first_decoder = self.config.num_encoder_layers
         try:
             h = self.embed(torch.cat([s.tokens for s in segs]))
             for block in self.layers:
+                if block.layer == first_decoder and dec_from and any(dec_from):
+                    # Decoder replay: the decoder layers run on each segment's tokens from
+                    # its decoder_start on, with their SWA windows starting there.
+                    enc_ctx, h_enc = ctx, h
+                    keep, offset = [], 0
+                    for s, k in zip(segs, dec_from):
+                        d = Segment(s.state, s.tokens[k:], offset,
+                                    swa_start=s.start + k if k else s.swa_start,
+                                    cached_until=s.cached_until, base=k)
+                        dsegs.append(d)
+                        keep.append(torch.arange(s.rows.start + k, s.rows.stop))
+                        offset += d.length
+                    ctx = ForwardContext.build(dsegs, dense=self.dense_attention, trace=trace)
+                    h = h.index_select(0, torch.cat(keep).to(h.device))
                 x = block.attn_norm(h)
-                kv_input = None
+                kv_input, kv_ctx = None, None
                 if block.layer == self._decoder_full:
                     # The decoder's global KV is a function of the encoder's final hidden
-                    # state h (= H_enc here) only: its compressor reads attn_norm(H_enc).
-                    # In a plain forward that is x itself; replay passes a longer H_enc.
-                    ctx.record(block.layer, h_enc=h)
-                    kv_input = x
-                h = h + block.attn(x, ctx, kv_input)
+                    # state H_enc only: its compressor reads attn_norm(H_enc). In a plain
+                    # forward that is x itself; decoder replay passes the longer H_enc of
+                    # every token of the call (and its segments).
+                    if h_enc is None:
+                        ctx.record(block.layer, h_enc=h)
+                        kv_input = x
+                    else:
+                        ctx.record(block.layer, h_enc=h_enc)
+                        kv_input, kv_ctx = block.attn_norm(h_enc), enc_ctx
+                h = h + block.attn(x, ctx, kv_input, kv_ctx)
                 h = h + block.ffn(block.ffn_norm(h))
                 ctx.record(block.layer, hidden=h)
+            out_segs = ctx.segments
             rows = torch.cat([
                 torch.arange(s.rows.start, s.rows.stop) if want
                 else torch.tensor([s.rows.stop - 1])
-                for s, want in zip(segs, all_logits)]).to(h.device)
+                for s, want in zip(out_segs, all_logits)]).to(h.device)
             logits = self.head(self.norm(h.index_select(0, rows)))
         except BaseException:
             for s in segs:
                 s.state._rollback()
             raise
+        for d in dsegs:
+            d.commit(advance=False)
         out, at = [], 0
         for s, want in zip(segs, all_logits):
             s.commit()

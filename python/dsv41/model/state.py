@@ -268,6 +268,21 @@ class SequenceState:
                 store.stage(codes.to(self.device), scales.to(self.device))
                 store.commit()
 
+    def seek_for_replay(self, tokens: list[int]) -> None:
+        """Prepare a replay that starts after `tokens` (its first position s = len(tokens)):
+        the state must hold imported global KV of a block-aligned prefix [0, H) with
+        H >= s (import_global). The position moves to s; the SWA rings are not read before
+        s (the replay passes swa_start = s) and the compressor state is empty at H."""
+        s = len(tokens)
+        m = self._block_multiple()
+        for layer, store in (*self.main_kv.items(), *self.index_keys.items()):
+            r = self.config.compress_ratios[layer]
+            if store.n * r % m or store.n * r < s:
+                raise ValueError(f"seek_for_replay: layer {layer} holds global KV of "
+                                 f"{store.n * r} tokens, not an aligned prefix covering {s}")
+        self.tokens, self.position = [int(t) for t in tokens], s
+        self.pending = {k: (a[:0].clone(), b[:0].clone()) for k, (a, b) in self.pending.items()}
+
     def snapshot_swa(self, aligned_to: int | None = None) -> SwaSnapshot:
         """Snapshot the SWA rings, the compressor's partial blocks, the tokens and the
         global entries of tokens past `aligned_to` (default: the last multiple of every

@@ -1,0 +1,210 @@
+"""Engine: requests in, tokens and per-request statistics out, through the tiered cache.
+
+    engine = Engine(model, cache=PrefixCache(model.config, CacheConfig(...)),
+                    replay="bounded")     # or "exact", "off", ReplayConfig(...)
+    outs = engine.generate([prompt_a, prompt_b], SamplingParams(max_new_tokens=32))
+    for ev in engine.stream(prompt):      # StreamEvent per new token
+        ...
+    rid = engine.add_request(prompt, params); engine.step() ...  # for servers
+
+Each step plans newly admitted prompts (cache lookup -> path -> state), runs their
+prefills together with every running decode in one model call, samples, and finishes
+sequences on a stop token or max_new_tokens. States are written back to the cache after
+the prefill and at the end of the output (engine/prefix.py; write_approximate=False caches
+only states equal to a full prefill).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterator, Sequence as Seq
+from typing import Callable
+
+import torch
+
+from ..cache import PrefixCache
+from ..model import Model
+from ..replay import ReplayConfig
+from .prefix import PrefixIO
+from .request import Request, RequestOutput, SamplingParams, StreamEvent
+from .runner import ModelRunner
+from .sampler import make_generator, sample
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    def __init__(self, model: Model, cache: PrefixCache | None = None,
+                 replay: ReplayConfig | str | None = "bounded", *, max_batch: int = 8,
+                 max_prefill_tokens: int = 8192, write_approximate: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.model = model
+        self.cache = cache
+        self.replay = ReplayConfig.parse(replay)
+        self.prefix = PrefixIO(model, cache, write_approximate)
+        self.runner = ModelRunner(model)
+        self.scheduler = Scheduler(max_batch, max_prefill_tokens)
+        self.clock = clock
+        self._ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self._events: list[StreamEvent] = []
+        self.counters = {"requests": 0, "finished": 0, "steps": 0, "prefill_tokens": 0,
+                         "replayed_tokens": 0, "decode_tokens": 0, "prompt_tokens": 0}
+        self.paths = {p: 0 for p in ("cold", "both_hit", "encoder_replay", "recompute")}
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(self, prompt, sampling: SamplingParams | None = None, *, namespace: str = "",
+                    request_id: str | None = None, replay: ReplayConfig | str | None = None) -> str:
+        sampling = sampling or SamplingParams()
+        rc = self.replay if replay is None else ReplayConfig.parse(replay)
+        if sampling.input_logprobs and rc.decoder_replay:
+            raise ValueError("input logprobs need every prompt token through the decoder; "
+                             "decoder replay runs it on the last window tokens only: turn "
+                             "decoder_replay off for this request")
+        ids = self.model._check_tokens(prompt, "prompt: ").tolist()
+        if len(ids) + sampling.max_new_tokens > self.model.config.max_position_embeddings:
+            raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({sampling.max_new_tokens}) "
+                             f"exceeds max_position_embeddings")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seq = Sequence(Request(rid, ids, sampling, namespace, rc), rc, self.clock())
+        seq.generator = make_generator(sampling)
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+        self.counters["requests"] += 1
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def _planned_tokens(self, seq: Sequence) -> int:
+        self.prefix.plan(seq)
+        return seq.pending_prefill_tokens
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests that finished in it."""
+        self._events = []                    # stream events of this step only
+        step = self.scheduler.schedule(self._planned_tokens)
+        if not step:
+            return []
+        self.counters["steps"] += 1
+        t0 = self.clock()
+        logits = self.runner.run(step.prefills, step.decodes)
+        now = self.clock()
+        done: list[RequestOutput] = []
+        for seq, lg in zip(step.prefills, logits[: len(step.prefills)]):
+            self.scheduler.start(seq)
+            st = seq.stats
+            st.prefill_s = now - t0
+            st.queue_s = t0 - seq.arrival
+            self.paths[seq.plan.path] += 1
+            self.counters["prefill_tokens"] += seq.plan.computed_tokens
+            self.counters["replayed_tokens"] += seq.plan.replayed_tokens
+            self.counters["prompt_tokens"] += len(seq.prompt)
+            if seq.request.sampling.input_logprobs:
+                seq.input_logprobs = _input_logprobs(seq.prompt, seq.plan.start, lg)
+                lg = lg[-1]
+            self.prefix.write_back(seq)
+            st.ttft_s = now - seq.arrival
+            seq.first_token_time = now
+            self._emit(seq, lg, now, done)
+        for seq, lg in zip(step.decodes, logits[len(step.prefills):]):
+            self.counters["decode_tokens"] += 1
+            self._emit(seq, lg, now, done)
+        return done
+
+    def _emit(self, seq: Sequence, logits: torch.Tensor, now: float, done: list) -> None:
+        sp = seq.request.sampling
+        tok = sample(logits, sp, seq.generator)
+        if seq.output:
+            seq.stats.token_latencies_s.append(now - seq.last_token_time)
+        seq.last_token_time = now
+        seq.output.append(tok)
+        if sp.return_logits:
+            seq.logits.append(logits.detach().clone())
+        finished = None
+        if tok in sp.stop_token_ids:
+            finished = "stop"
+        elif len(seq.output) >= sp.max_new_tokens:
+            finished = "length"
+        ev = StreamEvent(seq.request_id, tok, len(seq.output) - 1, finished is not None)
+        if finished:
+            self._finish(seq, finished, now)
+            ev.output = seq.to_output()
+            done.append(ev.output)
+        self._events.append(ev)
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        st = seq.stats
+        st.output_tokens = len(seq.output)
+        st.e2e_s = now - seq.arrival
+        dec = now - seq.first_token_time
+        st.decode_tokens_per_s = (len(seq.output) - 1) / dec if dec > 0 and len(seq.output) > 1 else 0.0
+        self.prefix.write_back(seq)          # the output's blocks and end-of-output snapshot
+        st.bytes.update({f"state_{k}": v for k, v in seq.state.nbytes().items()})
+        self.prefix.release(seq)
+        seq.state = None                     # free the KV; the output keeps the stats
+        self.counters["finished"] += 1
+
+    # ---- convenience --------------------------------------------------------------------
+
+    def generate(self, prompts: Seq, sampling: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, namespace: str = "", replay=None,
+                 progress: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (batched); outputs in the prompts' order."""
+        if isinstance(sampling, (list, tuple)):
+            params = list(sampling)
+        else:
+            params = [sampling] * len(prompts)
+        rids = [self.add_request(p, sp, namespace=namespace, replay=replay)
+                for p, sp in zip(prompts, params)]
+        want = set(rids)
+        outs: dict[str, RequestOutput] = {}
+        while want - outs.keys():
+            for out in self.step():
+                if out.request_id in want:
+                    outs[out.request_id] = out
+                    if progress:
+                        progress(out)
+        return [outs[r] for r in rids]
+
+    def stream(self, prompt, sampling: SamplingParams | None = None, *, namespace: str = "",
+               replay=None) -> Iterator[StreamEvent]:
+        """Yield each new token of one request as it is sampled (other requests in the
+        engine progress in the same steps)."""
+        rid = self.add_request(prompt, sampling, namespace=namespace, replay=replay)
+        while True:
+            self.step()
+            events = self._events
+            mine = [e for e in events if e.request_id == rid]
+            yield from mine
+            if any(e.finished for e in mine):
+                return
+
+    def metrics(self) -> dict:
+        """Engine counters, paths taken, and the cache's statistics and metrics registry."""
+        out = {"counters": dict(self.counters), "paths": dict(self.paths),
+               "replay": {"encoder_replay": self.replay.encoder_replay,
+                          "decoder_replay": self.replay.decoder_replay, "mode": self.replay.mode}}
+        if self.cache is not None:
+            out["cache"] = self.cache.stats()
+        return out
+
+
+def _input_logprobs(prompt: list[int], start: int, logits: torch.Tensor) -> list[float | None]:
+    """log p(prompt[i] | prompt[:i]) for the positions whose previous token's logits this
+    prefill computed (i in (start, N)); None elsewhere (cached or first token)."""
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    out: list[float | None] = [None] * len(prompt)
+    for r, i in enumerate(range(start + 1, len(prompt))):
+        out[i] = float(lp[r, prompt[i]])
+    return out

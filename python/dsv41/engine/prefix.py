@@ -1,0 +1,106 @@
+"""The engine's side of the prefix cache: look a prompt up, plan its path, build its
+state from the cached global KV (and SWA snapshot), and write exact results back.
+
+Write-back rule. Blocks are inserted when the state's global KV is exact (cold, recompute,
+both hit, exact replay, decoder replay: the encoder ran on every token); SWA snapshots when
+its SWA state is exact too. A state after decoder replay never gives a snapshot (SPEC
+section 5: decode only, never cached). A state after bounded encoder replay is the
+session's own state from then on: with write_approximate=True (the engine's default, as
+production runtimes do) its blocks and snapshots are cached, so the conversation's next
+turn resumes from them; with False (strict) only states equal to a full prefill are ever
+cached, so approximate KV can never reach another request.
+"""
+from __future__ import annotations
+
+from ..cache import PrefixCache
+from ..cache.adapter import export_blocks, import_blocks, snapshot_boundary, snapshot_from_cache, snapshot_to_cache
+from ..model import Model
+from ..replay import plan_prompt
+from .sequence import Sequence
+
+__all__ = ["PrefixIO"]
+
+
+class PrefixIO:
+    def __init__(self, model: Model, cache: PrefixCache | None, write_approximate: bool = True):
+        self.model, self.cache = model, cache
+        self.write_approximate = write_approximate
+        if cache is not None and cache.config.fingerprint() != model.config.fingerprint():
+            raise ValueError("the cache was built for another model config")
+
+    @property
+    def align(self) -> int | None:
+        return self.cache.block_tokens if self.cache is not None else None
+
+    def plan(self, seq: Sequence) -> None:
+        """Cache lookup, replay plan and the state to prefill from (once per sequence)."""
+        if seq.plan is not None:
+            return
+        req, model, cache = seq.request, self.model, self.cache
+        N = len(req.prompt)
+        st = seq.stats
+        H = P = 0
+        snap = None
+        if cache is not None and N > 1:
+            m = seq.match = cache.match(req.prompt, namespace=req.namespace, max_tokens=N - 1)
+            H = m.cached_tokens
+            st.gpu_hit_tokens, st.ssd_hit_tokens = m.gpu_blocks * m.block_tokens, m.ssd_blocks * m.block_tokens
+            if m.snapshot is not None:
+                snap = m.snapshot
+                P = m.snapshot_tokens
+        plan = seq.plan = plan_prompt(model.config, N, global_hit=H, snapshot_tokens=P,
+                                      replay=seq.replay, align=self.align)
+        state = model.new_state()
+        read = 0
+        if plan.import_tokens:
+            nb = plan.import_tokens // cache.block_tokens
+            import_blocks(cache.layout, state, cache.read_blocks(seq.match.block_ids[:nb], device=model.device))
+            read = nb * cache.layout.block_bytes
+        if plan.path == "both_hit":
+            state.restore_swa(snapshot_from_cache(snap, device=model.device))
+            st.bytes["swa_read"] = snap.nbytes
+        elif plan.path == "encoder_replay":
+            state.seek_for_replay(req.prompt[:plan.start])
+        seq.state = state
+        st.bytes["global_read"] = read
+        st.path = plan.path
+        st.prompt_tokens = N
+        st.global_hit_tokens = plan.global_hit
+        st.swa_hit_tokens = plan.snapshot_tokens
+        st.replayed_tokens = plan.replayed_tokens
+        st.prefill_tokens = plan.computed_tokens
+        st.decoder_prefill_tokens = plan.decoder_tokens
+        st.replay_start = plan.start
+        st.decoder_start = plan.decoder_start
+        st.encoder_replay = seq.replay.encoder_replay
+        st.decoder_replay = seq.replay.decoder_replay
+        st.replay_mode = seq.replay.mode
+        st.global_exact, st.swa_exact = plan.global_exact, plan.swa_exact
+
+    def write_back(self, seq: Sequence) -> None:
+        """Insert the state's new full blocks and its SWA snapshot (if exact)."""
+        cache, plan, state = self.cache, seq.plan, seq.state
+        if cache is None or not (plan.global_exact or self.write_approximate):
+            return
+        B = cache.block_tokens
+        nb = state.position // B
+        m = seq.match
+        have = m.num_blocks if m is not None else 0
+        if m is not None and nb > have:
+            # the match may hold more blocks than this request's tokens extend; only extend it
+            payloads = export_blocks(cache.layout, state, have, nb - have)
+            cache.insert(state.tokens, payloads, namespace=seq.request.namespace, match=m)
+        elif m is None and nb:
+            seq.match = cache.insert(state.tokens, export_blocks(cache.layout, state, 0, nb),
+                                     namespace=seq.request.namespace)
+        written = (nb - have) * cache.layout.block_bytes if nb > have else 0
+        seq.stats.bytes["global_written"] = seq.stats.bytes.get("global_written", 0) + written
+        swa_ok = plan.swa_exact or (self.write_approximate and not plan.decoder_replay)
+        if swa_ok and cache.swa is not None:
+            snap = snapshot_to_cache(state.snapshot_swa(snapshot_boundary(cache.layout, state.position)))
+            if cache.put_snapshot(state.tokens, snap, namespace=seq.request.namespace):
+                seq.stats.bytes["swa_written"] = seq.stats.bytes.get("swa_written", 0) + snap.nbytes
+
+    def release(self, seq: Sequence) -> None:
+        if self.cache is not None and seq.match is not None:
+            self.cache.release(seq.match)

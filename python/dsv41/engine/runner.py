@@ -1,0 +1,31 @@
+"""Calls the model for one step: every scheduled prefill (plain, replay or resume, with or
+without decoder replay) and every decode as one `extend_batch` call."""
+from __future__ import annotations
+
+import torch
+
+from ..model import Extend, Model
+from .sequence import Sequence
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    def __init__(self, model: Model):
+        self.model = model
+
+    def run(self, prefills: list[Sequence], decodes: list[Sequence]) -> list[torch.Tensor]:
+        """Logits per sequence, prefills first: [vocab], or [T, vocab] for a prefill that
+        asked for input logprobs."""
+        items = []
+        for seq in prefills:
+            p = seq.plan
+            items.append(Extend(seq.prompt[p.start:], seq.state, swa_start=p.swa_start,
+                                cached_until=p.cached_until,
+                                decoder_start=p.decoder_start if p.decoder_replay else None,
+                                all_logits=seq.request.sampling.input_logprobs))
+        for seq in decodes:
+            items.append(Extend([seq.output[-1]], seq.state))
+        if not items:
+            return []
+        return self.model.extend_batch(items)

@@ -1,0 +1,58 @@
+"""One request's runtime state inside the engine: its model state, plan, cache match,
+output so far and timings."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model import SequenceState
+from ..replay import ReplayConfig, ReplayPlan
+from .request import Request, RequestOutput, RequestStats
+
+__all__ = ["Status", "Sequence"]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # queued, no cache lookup yet
+    RUNNING = "running"      # prefilled, decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request: Request
+    replay: ReplayConfig
+    arrival: float
+    status: Status = Status.WAITING
+    state: SequenceState | None = None
+    plan: ReplayPlan | None = None
+    match: object | None = None               # cache.PrefixMatch while running
+    generator: torch.Generator | None = None
+    output: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    finish_reason: str | None = None
+    last_token_time: float = 0.0
+    first_token_time: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        return len(self.prompt) - (self.plan.start if self.plan else 0)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id, prompt=list(self.prompt), output_tokens=list(self.output),
+            finished=self.status is Status.FINISHED, finish_reason=self.finish_reason,
+            stats=self.stats, input_logprobs=self.input_logprobs,
+            logits=list(self.logits) if self.request.sampling.return_logits else None)
