@@ -78,6 +78,7 @@ def test_expand_modes_and_shift():
     ({"expand": "random"}, "expand"),
     ({"block_tokens": 0}, "block_tokens"),
     ({"cut_shift": 0}, "cut_shift"),
+    ({"write_approximate": "yes"}, "write_approximate"),
     ({"model": {"name": "x"}}, "model"),
     ({"output_tokens": {"short": 2}}, "output_tokens"),
 ])

@@ -71,7 +71,8 @@ def evaluate(matrix: str | Path | Matrix | None = None, contract: str | Path | C
     if fresh and out.exists():
         for name in ("frozen.json", "cells.jsonl", "results.json", "report.md"):
             (out / name).unlink(missing_ok=True)
-    backend = EngineBackend(model, block_tokens=mx.block_tokens, max_batch=mx.max_batch, model_source=source)
+    backend = EngineBackend(model, block_tokens=mx.block_tokens, max_batch=mx.max_batch,
+                            write_approximate=mx.write_approximate, model_source=source)
     result = run_matrix(mx, ct, backend, out, progress=progress)
     summary = write_report(result, ct, out, plots=plots)
     return {**summary, "out": str(out)}

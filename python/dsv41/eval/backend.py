@@ -73,7 +73,8 @@ def git_commit(path: str | Path | None = None) -> dict:
 
 
 class EngineBackend:
-    def __init__(self, model, *, block_tokens: int = 4, max_batch: int = 8, swa_ttl_s: float = 60.0,
+    def __init__(self, model, *, block_tokens: int = 4, max_batch: int = 8, write_approximate: bool = True,
+                 swa_ttl_s: float = 60.0,
                  gpu_capacity_bytes: int = 1 << 28, swa_capacity_bytes: int = 1 << 28,
                  model_source: dict | None = None):
         try:
@@ -88,6 +89,7 @@ class EngineBackend:
         self.vocab_size = cfg.vocab_size
         self.block_tokens = block_tokens
         self.max_batch = max_batch
+        self.write_approximate = write_approximate
         self.swa_ttl_s = swa_ttl_s
         self.gpu_capacity_bytes = gpu_capacity_bytes
         self.swa_capacity_bytes = swa_capacity_bytes
@@ -111,7 +113,8 @@ class EngineBackend:
                 "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                 "build": {k: info.get(k) for k in ("cuda_compiled", "cuda_arch_list", "torch_version")
                           if k in info},
-                "git": git_commit(), "block_tokens": self.block_tokens, "max_batch": self.max_batch, "swa_ttl_s": self.swa_ttl_s}
+                "git": git_commit(), "block_tokens": self.block_tokens, "max_batch": self.max_batch,
+                "write_approximate": self.write_approximate, "swa_ttl_s": self.swa_ttl_s}
 
     def _cache(self):
         from ..cache import CacheConfig, PrefixCache
@@ -141,7 +144,7 @@ class EngineBackend:
             if state == "warm_expired":
                 clock.t += 2 * self.swa_ttl_s + 1.0
         eng = Engine(self.model, cache=cache, replay=rc, max_batch=min(self.max_batch, max(1, len(requests))),
-                     max_prefill_tokens=1 << 30)
+                     max_prefill_tokens=1 << 30, write_approximate=self.write_approximate)
         params = [SamplingParams(temperature=float(sampling["temperature"]), top_p=float(sampling["top_p"]),
                                  seed=r.seed, max_new_tokens=int(sampling["max_new_tokens"]),
                                  stop_token_ids=tuple(sampling.get("stop_token_ids", ())), return_logits=True)

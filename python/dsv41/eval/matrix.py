@@ -10,6 +10,8 @@ A matrix file (every key but `dimensions` optional; defaults shown):
     block_tokens: 4                       # cache block; a multiple of every compress ratio
     prompts_per_cell: 2                   # raised to the cell's concurrency when lower
     max_batch: 8                          # the engine's batch limit: higher concurrency queues
+    write_approximate: true               # the engine caches a replayed turn's state for
+                                          # that conversation's next turn (false: strict)
     seed: 0                               # task instance seeds start here
     sampling: {temperature: 0.0, top_p: 1.0, repeats: 1, seed: 0}   # repeats > 1 needs temperature > 0
     states: [cold, both_hit, swa_miss, shifted]
@@ -56,7 +58,7 @@ REPLAY_MODES = ("off", "bounded", "exact", "decoder")
 OUTPUTS = ("short", "long", "multi")
 HIT_NAMES = ("start", "before_boundary", "after_boundary", "end")
 _HIT_EXPR = re.compile(r"^(W|end)\s*([+-])\s*(\d+)$")
-_TOP = {"version", "name", "model", "block_tokens", "prompts_per_cell", "max_batch", "seed", "sampling", "states",
+_TOP = {"version", "name", "model", "block_tokens", "prompts_per_cell", "max_batch", "write_approximate", "seed", "sampling", "states",
         "replay", "cut_shift", "long_suffix_tokens", "output_tokens", "expand", "base", "dimensions"}
 
 
@@ -92,6 +94,7 @@ class Matrix:
     block_tokens: int = 4
     prompts_per_cell: int = 2
     max_batch: int = 8
+    write_approximate: bool = True
     seed: int = 0
     sampling: dict = field(default_factory=lambda: {"temperature": 0.0, "top_p": 1.0, "repeats": 1, "seed": 0})
     states: list[str] = field(default_factory=lambda: list(STATES))
@@ -158,6 +161,10 @@ class Matrix:
                 if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                     raise err(f"`{key}` must be an integer >= {lo}, got {v!r}")
                 setattr(m, key, v)
+        if "write_approximate" in data:
+            if not isinstance(data["write_approximate"], bool):
+                raise err("`write_approximate` must be true or false")
+            m.write_approximate = data["write_approximate"]
         if "cut_shift" in data:
             v = data["cut_shift"]
             if not isinstance(v, int) or isinstance(v, bool) or v == 0:
