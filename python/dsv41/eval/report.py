@@ -162,6 +162,8 @@ def _markdown(result: dict, summary: dict, contract: Contract, plots: list[str])
           f"| weights sha256 | `{be.get('weights_sha256')}` |",
           f"| commit | `{(be.get('git') or {}).get('commit')}` (dirty: {(be.get('git') or {}).get('dirty')}) |",
           f"| device | {be.get('device')} ({be.get('device_name')}), torch {be.get('torch')}, {be.get('torch_threads')} threads |",
+          f"| load average (1 min) at start / end | {fr.get('loadavg_start')} / {fr.get('loadavg_end')} "
+          f"(timings are wall clock: a loaded machine inflates them) |",
           f"| window W / cache block | {fr['window']} / {fr['block_tokens']} tokens |",
           f"| sampling | {fr['sampling']} |", f"| cells / prompts per cell | {fr['cells']} / {fr['prompts_per_cell']} |",
           ""]
@@ -239,7 +241,8 @@ def _plots(result: dict, out: Path) -> list[str]:
                     ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=f"{rp}, conc {conc}")
     if any_lat:
         for ax, name in zip(axes, ("TTFT", "time between output tokens")):
-            ax.set_xlabel(f"{name} (ms)")
+            ax.set_xscale("log")
+            ax.set_xlabel(f"{name} (ms, log scale)")
             ax.set_ylabel("fraction of requests" if name == "TTFT" else "fraction of tokens")
             ax.set_title(f"{name}: global hit, SWA miss")
             ax.legend(fontsize=7)

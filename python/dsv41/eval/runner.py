@@ -271,6 +271,7 @@ def run_matrix(matrix: Matrix, contract: Contract, backend: Backend, out_dir: st
         "block_tokens": backend.block_tokens, "window": backend.window,
         "tokenizer": "dsv41.eval.tokenizer.CharTokenizer (ASCII code points, BOS=1, EOS=2)",
         "cells": len(cells),
+        "loadavg_start": _loadavg(), "cpu_count": os.cpu_count(),
         **(frozen_extra or {}),
     }
     for c in cells:                 # every prompt must build before anything runs
@@ -310,6 +311,7 @@ def run_matrix(matrix: Matrix, contract: Contract, backend: Backend, out_dir: st
     bar.close()
     frozen["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     frozen["resumed_cells"] = len(cells) - len(todo)
+    frozen["loadavg_end"] = _loadavg()
     _atomic_write(fpath, json.dumps(frozen, indent=2))
     return {"frozen": frozen, "cells": [done[c.id] for c in cells]}
 
@@ -332,6 +334,13 @@ def _read_cells(path: Path) -> dict:
         good.append(ln)
     path.write_text("".join(g + "\n" for g in good))
     return done
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _atomic_write(path: Path, text: str) -> None:
