@@ -70,3 +70,17 @@ def test_checkpoint_loads_for_model_dir(model, tmp_path):
     assert EngineBackend(m).describe()["weights_sha256"] == EngineBackend(model).describe()["weights_sha256"]
     m, source = load_model({"preset": "v41-tiny", "seed": 3})
     assert source == {"preset": "v41-tiny", "seed": 3, "weights": "synthetic"}
+
+
+def test_seeded_sampling_pairs_states(model):
+    """With temperature > 0 the same seed draws the same tokens in every exact state, so a
+    differing token in a replayed state is the state's doing."""
+    b = EngineBackend(model, block_tokens=4)
+    p = prompt(5, 40)
+    samp = {"temperature": 0.9, "top_p": 0.95, "max_new_tokens": 4}
+    cold = b.run([BackendRequest([p], 0, 7)], "cold", "off", samp)[0][0]
+    exact = b.run([BackendRequest([p], 28, 7)], "warm_expired", "exact", samp)[0][0]
+    assert exact.stats["path"] == "encoder_replay" and exact.output_tokens == cold.output_tokens
+    assert all(torch.equal(a, c) for a, c in zip(exact.logits, cold.logits))
+    other = b.run([BackendRequest([p], 0, 8)], "cold", "off", samp)[0][0]
+    assert torch.equal(other.logits[0], cold.logits[0])          # same prompt, same first distribution

@@ -39,3 +39,13 @@ def test_progress_bar():
     p.close()
     out = s.getvalue()
     assert "1/4 runs" in out and "4/4 runs" in out and out.endswith("\n") and "cell a" in out
+
+
+def test_cli_rejects_a_bad_matrix_before_running(tmp_path, capsys):
+    from dsv41.cli import main
+
+    bad = tmp_path / "m.yaml"
+    bad.write_text("dimensions: {hit: [sideways]}\n")
+    assert main(["eval", "--matrix", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "m.yaml: missing dimension(s)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
