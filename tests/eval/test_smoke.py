@@ -147,3 +147,44 @@ def test_smoke_run(tmp_path, capsys):
     rc = main(["eval", "--matrix", str(mpath), "--contract", str(cpath), "--out", str(out)])
     assert rc == 2 and "another matrix, contract or model" in capsys.readouterr().err
     print(f"smoke run {elapsed:.1f} s, resume {resumed:.1f} s")
+
+
+def test_interrupted_run_resumes(tmp_path):
+    """A run killed in its second cell resumes there: the first cell is not rerun."""
+    from dsv41.eval import Contract, Matrix
+    from dsv41.eval.backend import EngineBackend
+    from dsv41.eval.runner import run_matrix
+
+    mx = Matrix.from_yaml(MATRIX.replace("states: [cold, swa_miss, shifted]", "states: [cold]")
+                          .replace("prompts_per_cell: 2", "prompts_per_cell: 1")
+                          .replace("output_tokens: {short: 2, long: 4}", "output_tokens: {short: 1, long: 2}")
+                          .replace("  hit: [after_boundary]", "  hit: [after_boundary, end]"))
+    ct = Contract.from_yaml(CONTRACT)
+    model = Model.synthetic(ModelConfig.preset("v41-tiny"), seed=0)
+
+    class Interrupted(EngineBackend):
+        calls = 0
+
+        def run(self, *a, **k):
+            Interrupted.calls += 1
+            if Interrupted.calls == 2:              # one call per cell here; die in cell 2
+                raise KeyboardInterrupt
+            return super().run(*a, **k)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_matrix(mx, ct, Interrupted(model, block_tokens=4), tmp_path, progress=False)
+    first = (tmp_path / "cells.jsonl").read_text()
+    assert first.count("\n") == 1 and json.loads(first)["cell"]["hit"] == "after_boundary"
+
+    class Counting(EngineBackend):
+        calls = 0
+
+        def run(self, *a, **k):
+            Counting.calls += 1
+            return super().run(*a, **k)
+
+    res = run_matrix(mx, ct, Counting(model, block_tokens=4), tmp_path, progress=False)
+    assert Counting.calls == 1 and res["frozen"]["resumed_cells"] == 1
+    assert [c["cell"]["hit"] for c in res["cells"]] == ["after_boundary", "end"]
+    assert (tmp_path / "cells.jsonl").read_text().startswith(first)
+    assert res["cells"][1]["runs"][-1]["turns"][0]["stats"]["path"] == "cold"
