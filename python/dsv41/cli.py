@@ -5,6 +5,7 @@
     dsv41 kv-bytes --config config.json  ... of a Hugging Face or inference config file
     dsv41 cache stats|verify|gc DIR      look after a persistent prefix store
     dsv41 demo [--json]                  an agent workload through the engine and cache
+    dsv41 eval [--matrix M --contract C --out DIR --model CKPT]   the replay acceptance matrix
 """
 from __future__ import annotations
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_parser(sub)
     from .engine.demo import add_demo_parser
     add_demo_parser(sub)
+    from .eval.cli import add_eval_parser
+    add_eval_parser(sub)
     return p
 
 
