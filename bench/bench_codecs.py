@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import dsv41  # noqa: E402
+from _kernel_bench import time_cuda  # noqa: E402  (bench/ is on sys.path when run as a script)
 from dsv41 import formats  # noqa: E402
 
 CODECS = ("nvfp4", "mxfp4", "fp8_swa")
@@ -40,23 +41,15 @@ def _dequant(name):
 
 def time_fn(fn, device: str, repeat: int, warmup: int = 2) -> float:
     """Median seconds per call (CUDA events on a GPU, perf_counter on the CPU)."""
+    if device == "cuda":
+        return time_cuda(fn, repeat=repeat, warmup=warmup)
     for _ in range(warmup):
         fn()
     samples = []
-    if device == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(repeat):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
 
