@@ -25,6 +25,7 @@ collide. The first block of a chain has parent_id 0 and is matched on its exact 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -636,6 +637,16 @@ class PersistentStore:
             seg.fd, seg.direct = f.fd, f.direct
             self._direct_seen = f.direct
         return seg.fd
+
+    @contextlib.contextmanager
+    def _reading(self):
+        """Marks a read in flight, so segment fds that GC retires stay open until it ends."""
+        with self._lock:
+            self._active_reads += 1
+        try:
+            yield
+        finally:
+            self._end_read()
 
     def _end_read(self) -> None:
         with self._lock:
@@ -1323,12 +1334,8 @@ class PersistentStore:
         raw = []
         item = None
         if recs:
-            with self._lock:
-                self._active_reads += 1
-            try:
+            with self._reading():
                 status, item, where = self._read_checked(recs, None, None, None)
-            finally:
-                self._end_read()
             view = item[1]
             for i, (r, st) in enumerate(zip(recs, status)):
                 if st != "ok":
@@ -1396,12 +1403,8 @@ class PersistentStore:
                 batch.append(recs[i])
                 size += recs[i].padded
                 i += 1
-            with self._lock:
-                self._active_reads += 1
-            try:
+            with self._reading():
                 status, item, where = self._read_checked(batch, None, None, None)
-            finally:
-                self._end_read()
             view = item[1]
             for j, (r, st) in enumerate(zip(batch, status)):
                 off = where.get(j)
