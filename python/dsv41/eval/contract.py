@@ -24,17 +24,16 @@ threshold; for ==: lo == hi == threshold). A criterion no run matches fails ("no
 """
 from __future__ import annotations
 
-import hashlib
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from .matrix import DIMENSIONS, REPLAY_MODES, STATES, normalize_replay
 from .metrics import bootstrap_ci, stat_names
+from .yamldoc import YamlDocument
 
 __all__ = ["ContractError", "Criterion", "Contract", "load_contract", "METRICS", "run_metric"]
 
@@ -103,26 +102,17 @@ class Criterion:
 
 
 @dataclass
-class Contract:
+class Contract(YamlDocument):
+    error = ContractError  # not fields: YamlDocument's hooks
+    default_source = "contract"
+
     criteria: list[Criterion]
     name: str = "contract"
     confidence: float = 0.95
     bootstrap: int = 2000
     text: str = ""
 
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.text.encode()).hexdigest()
 
-    @classmethod
-    def from_yaml(cls, text: str, source: str = "contract") -> "Contract":
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ContractError(f"{source}: not valid YAML: {e}") from None
-        c = cls.from_dict(data, source)
-        c.text = text
-        return c
 
     @classmethod
     def from_dict(cls, data, source: str = "contract") -> "Contract":

@@ -40,15 +40,14 @@ runs every combination.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
 from .tasks import PLACEMENTS, SUFFIX_KINDS, TASKS
+from .yamldoc import YamlDocument
 
 __all__ = ["MatrixError", "Matrix", "Cell", "load_matrix", "DIMENSIONS", "STATES", "REPLAY_MODES"]
 
@@ -87,7 +86,10 @@ class Cell:
 
 
 @dataclass
-class Matrix:
+class Matrix(YamlDocument):
+    error = MatrixError  # not fields: YamlDocument's hooks
+    default_source = "matrix"
+
     dimensions: dict[str, list]
     name: str = "default"
     model: dict = field(default_factory=lambda: {"preset": "v41-tiny", "seed": 0})
@@ -106,21 +108,9 @@ class Matrix:
     base: dict = field(default_factory=dict)
     text: str = ""            # the YAML as given (hashed and recorded)
 
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.text.encode()).hexdigest()
 
     # ---- loading ------------------------------------------------------------------------
 
-    @classmethod
-    def from_yaml(cls, text: str, source: str = "matrix") -> "Matrix":
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise MatrixError(f"{source}: not valid YAML: {e}") from None
-        m = cls.from_dict(data, source)
-        m.text = text
-        return m
 
     @classmethod
     def from_dict(cls, data, source: str = "matrix") -> "Matrix":
