@@ -25,7 +25,9 @@ fi
 # CUDA: torch would guess /usr/local; the toolkit here lives in /usr/local/cuda.
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}"
-if command -v ccache >/dev/null 2>&1 && [ -z "${CXX:-}" ]; then export CXX="ccache g++"; fi
+# ccache through its masquerade directory: the compiler keeps the name g++, so torch's
+# compiler-version check (which rejects CXX="ccache g++" with CUDA 13) still passes.
+if [ -d /usr/lib/ccache ] && [ -z "${CXX:-}" ]; then export PATH="/usr/lib/ccache:$PATH"; fi
 
 log "building dsv41._C (incremental)"
 start=$(date +%s)
