@@ -17,7 +17,7 @@ RECORDS = 64
 
 
 @pytest.fixture(scope="module")
-def identity(tmp_path_factory):
+def identity():
     cache = PrefixCache(ModelConfig.preset("v41-flash"),
                         CacheConfig(block_tokens=BLOCK, device="cpu", gpu_capacity_bytes=1 << 24,
                                     swa_capacity_bytes=0))
