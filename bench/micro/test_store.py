@@ -74,7 +74,7 @@ def test_record_encode_write(benchmark, tmp_path, identity, impl):
         def run(fd):
             os.pwrite(fd, data, 0)
             os.close(fd)
-    benchmark.pedantic(run, setup=setup, rounds=10, warmup_rounds=1)
+    benchmark.pedantic(run, setup=setup, rounds=30, warmup_rounds=2)
 
 
 @pytest.mark.parametrize("impl", ["store", "raw_pread"])

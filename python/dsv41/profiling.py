@@ -1,7 +1,7 @@
 """NVTX ranges, so an Nsight Systems timeline of dsv41 reads like the engine's own story.
 
-Off by default, and then free: a range is one check of a module global (no NVTX call, no
-payload built). Switch it on with `DSV41_NVTX=1` in the environment (read when dsv41 is
+Off by default, and then nearly free: a range is one check of a module global (no NVTX
+call, no payload built; about 0.1 us per traced call, bench/micro/test_profiling_overhead.py). Switch it on with `DSV41_NVTX=1` in the environment (read when dsv41 is
 imported) or from Python:
 
     from dsv41 import profiling
