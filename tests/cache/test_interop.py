@@ -46,6 +46,21 @@ def test_refusals_without_cupy_or_gpu():
     cache.release(m)
 
 
+def test_the_way_back_takes_any_dlpack_array_without_a_copy():
+    """from_cupy / snapshot_from_cupy accept anything with __dlpack__: numpy shows on the
+    CPU what CuPy does on the GPU (same memory, FP8 viewed back from its bytes)."""
+    raw = np.arange(16, dtype=np.uint8)
+    t = interop.from_cupy(raw, torch.float8_e4m3fn)
+    assert t.dtype == torch.float8_e4m3fn and t.data_ptr() == raw.ctypes.data
+    snap = interop.snapshot_from_cupy({"swa_values.0": raw, "tokens": np.arange(4)},
+                                      {"swa_values.0": torch.float8_e4m3fn, "tokens": torch.int64},
+                                      4, {"format": "t"})
+    assert snap.num_tokens == 4 and snap.meta == {"format": "t"}
+    assert snap.tensors["swa_values.0"].data_ptr() == raw.ctypes.data
+    raw[0] = 0x38                                          # 1.0 in E4M3, seen through the view
+    assert float(snap.tensors["swa_values.0"][0]) == 1.0
+
+
 
 @pytest.fixture
 def cp():
