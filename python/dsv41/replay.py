@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from . import profiling
 from .config import ModelConfig
 
 __all__ = ["ReplayConfig", "ReplayPlan", "plan_prompt", "PATHS"]
@@ -122,6 +123,8 @@ def align_hit(hit: int, n_prompt: int, align: int) -> int:
     return max(0, min(int(hit), n_prompt - 1)) // align * align
 
 
+@profiling.traced("replay.plan", lambda config, n_prompt, **k: {
+    "tokens": n_prompt, "global_hit": k.get("global_hit", 0), "snapshot_tokens": k.get("snapshot_tokens", 0)})
 def plan_prompt(config: ModelConfig, n_prompt: int, *, global_hit: int = 0,
                 snapshot_tokens: int = 0, replay: ReplayConfig | str | None = None,
                 align: int | None = None) -> ReplayPlan:

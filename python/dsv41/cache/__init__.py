@@ -8,6 +8,7 @@
     manager      PrefixCache: lookup across tiers, insert, promotion, admission
     metrics      counters and histograms (dict and Prometheus text)
     io           the C++ I/O engine (O_DIRECT pread/pwrite, CRC-32C, GDS)
+    interop      pool blocks and SWA snapshots as CuPy arrays, no copy (CuPy optional)
     cli          `dsv41 cache stats|verify|gc`
 
 docs/cache.md describes the design and the on-disk format.

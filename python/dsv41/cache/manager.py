@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .. import profiling
 from ..config import ModelConfig
 from .errors import PayloadError
 from .global_pool import GlobalKVPool
@@ -135,6 +136,8 @@ class PrefixCache:
 
     # ---- lookup -------------------------------------------------------------------------
 
+    @profiling.traced("cache.lookup",
+                      lambda self, tokens, *a, **k: {"tokens": len(tokens)})
     def match(self, tokens, namespace: str = "", extra: Sequence[tuple[str, str]] = (),
               max_tokens: int | None = None) -> PrefixMatch:
         """The longest verified cached prefix of `tokens` (at most max_tokens tokens; pass
@@ -169,6 +172,8 @@ class PrefixCache:
                           admit=lambda slot: slot is not None and slot.hits >= n)
         return m
 
+    @profiling.traced("cache.ssd_promote",
+                      lambda self, m, tok: {"blocks": len(m.hashes) - m.num_blocks})
     def _promote(self, m: PrefixMatch, tok: np.ndarray) -> int:
         """Continues the match from the SSD tier; returns how many blocks it added."""
         store, pool = self.store, self.pool
@@ -219,6 +224,8 @@ class PrefixCache:
 
     # ---- inserting ----------------------------------------------------------------------
 
+    @profiling.traced("cache.insert", lambda self, tokens, payloads, *a, **k: {
+        "tokens": len(tokens), "blocks": len(payloads)})
     def insert(self, tokens, payloads: torch.Tensor, namespace: str = "",
                extra: Sequence[tuple[str, str]] = (), match: PrefixMatch | None = None) -> PrefixMatch:
         """Caches the full blocks of `tokens` after a prefill. `payloads` is uint8
@@ -262,6 +269,7 @@ class PrefixCache:
             self._persist(match, nb, payloads, start, admit=lambda slot: True)
         return match
 
+    @profiling.traced("cache.ssd_write", lambda self, m, upto, *a, **k: {"blocks": upto})
     def _persist(self, m: PrefixMatch, upto: int, new_payloads: torch.Tensor | None, new_start: int,
                  admit: Callable) -> None:
         """Writes blocks [0, upto) of the match's chain that the store lacks, in order,
@@ -317,6 +325,8 @@ class PrefixCache:
 
     # ---- snapshots, release, access -----------------------------------------------------
 
+    @profiling.traced("cache.put_snapshot",
+                      lambda self, tokens, *a, **k: {"tokens": len(tokens)})
     def put_snapshot(self, tokens, snapshot: SwaSnapshot, namespace: str = "",
                      extra: Sequence[tuple[str, str]] = (), hashes: Sequence[bytes] | None = None) -> bool:
         """Stores the SWA snapshot of the state after exactly `tokens` (end of prompt, end
@@ -331,6 +341,7 @@ class PrefixCache:
         self.pool.release(match.block_ids)
         match.released = True
 
+    @profiling.traced("cache.read_blocks")
     def read_blocks(self, match_or_ids: PrefixMatch | Sequence[int], device: str | torch.device | None = None) -> torch.Tensor:
         """Payloads of a match's blocks (or of block ids), uint8 [n, block_bytes]."""
         ids = match_or_ids.block_ids if isinstance(match_or_ids, PrefixMatch) else list(match_or_ids)

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from ..cache import PrefixCache
+from .. import profiling
 from ..model import Model
 from ..replay import ReplayConfig
 from .prefix import PrefixIO
@@ -88,6 +89,7 @@ class Engine:
         self.prefix.plan(seq)
         return seq.pending_prefill_tokens
 
+    @profiling.traced("engine.step")
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests that finished in it."""
         self._events = []                    # stream events of this step only

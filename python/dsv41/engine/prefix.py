@@ -12,6 +12,7 @@ cached, so approximate KV can never reach another request.
 """
 from __future__ import annotations
 
+from .. import profiling
 from ..cache import PrefixCache
 from ..cache.adapter import export_blocks, import_blocks, snapshot_boundary, snapshot_from_cache, snapshot_to_cache
 from ..model import Model
@@ -32,6 +33,8 @@ class PrefixIO:
     def align(self) -> int | None:
         return self.cache.block_tokens if self.cache is not None else None
 
+    @profiling.traced("engine.plan",
+                      lambda self, seq: {"requests": 1, "tokens": len(seq.request.prompt)})
     def plan(self, seq: Sequence) -> None:
         """Cache lookup, replay plan and the state to prefill from (once per sequence)."""
         if seq.plan is not None:
@@ -77,6 +80,8 @@ class PrefixIO:
         st.replay_mode = seq.replay.mode
         st.global_exact, st.swa_exact = plan.global_exact, plan.swa_exact
 
+    @profiling.traced("engine.write_back",
+                      lambda self, seq: {"requests": 1, "tokens": seq.state.position})
     def write_back(self, seq: Sequence) -> None:
         """Insert the state's new full blocks and its SWA snapshot (if exact)."""
         cache, plan, state = self.cache, seq.plan, seq.state

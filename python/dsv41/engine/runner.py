@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import profiling
 from ..model import Extend, Model
 from .sequence import Sequence
 
@@ -28,4 +29,19 @@ class ModelRunner:
             items.append(Extend([seq.output[-1]], seq.state))
         if not items:
             return []
-        return self.model.extend_batch(items)
+        with _forward_range(prefills, decodes):
+            return self.model.extend_batch(items)
+
+
+def _forward_range(prefills: list[Sequence], decodes: list[Sequence]):
+    """One NVTX range for the step's one model call, named after its heaviest part (a
+    step's prefills, replays and decodes run batched together); counts in the payload."""
+    if not profiling.enabled():
+        return profiling.NULL
+    replayed = sum(s.plan.replayed_tokens for s in prefills)
+    name = ("engine.encoder_replay" if replayed else "engine.prefill") if prefills else "engine.decode"
+    return profiling.scope(name, requests=len(prefills) + len(decodes), prefill_requests=len(prefills),
+                           prefill_tokens=sum(s.plan.computed_tokens for s in prefills),
+                           replayed_tokens=replayed,
+                           decoder_tokens=sum(s.plan.decoder_tokens for s in prefills),
+                           decode_tokens=len(decodes))

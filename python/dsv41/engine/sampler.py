@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import profiling
 from .request import SamplingParams
 
 __all__ = ["make_generator", "sample"]
@@ -16,6 +17,7 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
+@profiling.traced("engine.sample")
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from logits [vocab] (float32)."""
     logits = logits.detach().float().cpu()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from .. import profiling
 from .sequence import Sequence, Status
 
 __all__ = ["Scheduler", "Step"]
@@ -40,6 +41,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @profiling.traced("engine.schedule",
+                      lambda self, *a: {"waiting": len(self.waiting), "running": len(self.running)})
     def schedule(self, planned_tokens) -> Step:
         """planned_tokens(seq) -> the prefill tokens a waiting sequence will compute (it
         plans the sequence: cache lookup and replay plan)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import profiling
 from . import layout, reference
 from . import reference as _ref  # the parameter `reference` shadows the module name
 from .layout import (FP8_SWA_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, fp8_swa_bytes, mxfp4_bytes,
@@ -94,6 +95,7 @@ def _ops():
     return torch.ops.dsv41
 
 
+@profiling.op("op.quantize_nvfp4")
 def quantize_nvfp4(x: torch.Tensor, *, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4: E2M1 codes (two per byte) and one E4M3 scale per 16 values."""
     _NVFP4.check_input(x, "quantize_nvfp4")
@@ -102,6 +104,7 @@ def quantize_nvfp4(x: torch.Tensor, *, reference: bool = False) -> tuple[torch.T
     return _ops().quantize_nvfp4(x)
 
 
+@profiling.op("op.dequantize_nvfp4")
 def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor, *, reference: bool = False) -> torch.Tensor:
     _NVFP4.check_codes(codes, scales, "dequantize_nvfp4")
     if reference:
@@ -109,6 +112,7 @@ def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor, *, reference: bo
     return _ops().dequantize_nvfp4(codes, scales)
 
 
+@profiling.op("op.quantize_mxfp4")
 def quantize_mxfp4(x: torch.Tensor, *, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4: E2M1 codes (two per byte) and one UE8M0 power-of-two scale per 32 values."""
     _MXFP4.check_input(x, "quantize_mxfp4")
@@ -117,6 +121,7 @@ def quantize_mxfp4(x: torch.Tensor, *, reference: bool = False) -> tuple[torch.T
     return _ops().quantize_mxfp4(x)
 
 
+@profiling.op("op.dequantize_mxfp4")
 def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, *, reference: bool = False) -> torch.Tensor:
     _MXFP4.check_codes(codes, scales, "dequantize_mxfp4")
     scales = scales.view(torch.uint8)
@@ -125,6 +130,7 @@ def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, *, reference: bo
     return _ops().dequantize_mxfp4(codes, scales)
 
 
+@profiling.op("op.quantize_fp8_swa")
 def quantize_fp8_swa(x: torch.Tensor, *, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 SWA: E4M3 values and one UE8M0 power-of-two scale per 32 values."""
     _FP8_SWA.check_input(x, "quantize_fp8_swa")
@@ -133,6 +139,7 @@ def quantize_fp8_swa(x: torch.Tensor, *, reference: bool = False) -> tuple[torch
     return _ops().quantize_fp8_swa(x)
 
 
+@profiling.op("op.dequantize_fp8_swa")
 def dequantize_fp8_swa(values: torch.Tensor, scales: torch.Tensor, *, reference: bool = False) -> torch.Tensor:
     _FP8_SWA.check_codes(values, scales, "dequantize_fp8_swa")
     scales = scales.view(torch.uint8)
@@ -141,17 +148,20 @@ def dequantize_fp8_swa(values: torch.Tensor, scales: torch.Tensor, *, reference:
     return _ops().dequantize_fp8_swa(values, scales)
 
 
+@profiling.op("op.quantize_nvfp4_into")
 def quantize_nvfp4_into(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
     """Quantize into caller-owned buffers (e.g. a slot of a KV cache)."""
     _NVFP4.check_into(x, codes, scales, "quantize_nvfp4_into")
     _ops().quantize_nvfp4_into(x, codes, scales)
 
 
+@profiling.op("op.quantize_mxfp4_into")
 def quantize_mxfp4_into(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
     _MXFP4.check_into(x, codes, scales, "quantize_mxfp4_into")
     _ops().quantize_mxfp4_into(x, codes, scales.view(torch.uint8))
 
 
+@profiling.op("op.quantize_fp8_swa_into")
 def quantize_fp8_swa_into(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
     _FP8_SWA.check_into(x, values, scales, "quantize_fp8_swa_into")
     _ops().quantize_fp8_swa_into(x, values, scales.view(torch.uint8))

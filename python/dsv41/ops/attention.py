@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import profiling
 from . import _checks, reference
 
 Tensor = torch.Tensor
@@ -74,6 +75,7 @@ def _candidate_blocks(scores: Tensor, visible: Tensor, block: int, n_blocks: int
 
 # ---- the Python API: keyword-friendly names for the ops above ---------------------------
 
+@profiling.op("op.sparse_attention")
 def sparse_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sink,
                      softmax_scale: float) -> tuple[Tensor, Tensor]:
     """See `dsv41.ops.reference.sparse_attention`."""
@@ -81,6 +83,7 @@ def sparse_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv
                                             kv_scales, kv_idx, sink, float(softmax_scale))
 
 
+@profiling.op("op.dense_attention")
 def dense_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_visible, sink,
                     softmax_scale: float) -> tuple[Tensor, Tensor]:
     """See `dsv41.ops.reference.dense_attention` (the dense baseline)."""
@@ -88,21 +91,25 @@ def dense_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_
                                            kv_scales, kv_visible, sink, float(softmax_scale))
 
 
+@profiling.op("op.indexer_scores")
 def indexer_scores(q_codes, q_scales, weights, k_codes, k_scales) -> Tensor:
     """See `dsv41.ops.reference.indexer_scores`."""
     return torch.ops.dsv41.indexer_scores(q_codes, q_scales, weights, k_codes, k_scales)
 
 
+@profiling.op("op.indexer_scores_at")
 def indexer_scores_at(q_codes, q_scales, weights, k_codes, k_scales, idx) -> Tensor:
     """See `dsv41.ops.reference.indexer_scores_at`."""
     return torch.ops.dsv41.indexer_scores_at(q_codes, q_scales, weights, k_codes, k_scales, idx)
 
 
+@profiling.op("op.topk_visible")
 def topk_visible(scores, visible, k: int) -> Tensor:
     """See `dsv41.ops.reference.topk_visible`."""
     return torch.ops.dsv41.topk_visible(scores, visible, int(k))
 
 
+@profiling.op("op.candidate_blocks")
 def candidate_blocks(scores, visible, block: int, n_blocks: int) -> Tensor:
     """See `dsv41.ops.reference.candidate_blocks`."""
     return torch.ops.dsv41.candidate_blocks(scores, visible, int(block), int(n_blocks))

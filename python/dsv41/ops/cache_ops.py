@@ -16,11 +16,13 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (registers the ops)
+from .. import profiling
 
 FORMATS = ("nvfp4", "mxfp4", "fp8_swa")
 _FMT_ID = {"nvfp4": 0, "mxfp4": 1, "fp8_swa": 2}
 
 
+@profiling.op("op.quantize_scatter", lambda fmt, x, *a, **k: {"tokens": x.shape[0]})
 def quantize_scatter(fmt: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                      rows: torch.Tensor) -> None:
     if fmt not in FORMATS:
@@ -28,6 +30,7 @@ def quantize_scatter(fmt: str, x: torch.Tensor, codes: torch.Tensor, scales: tor
     getattr(torch.ops.dsv41, f"quantize_{fmt}_scatter")(x, codes, scales, rows)
 
 
+@profiling.op("op.copy_blocks", lambda src, src_idx, *a, **k: {"blocks": len(src_idx)})
 def copy_blocks(src: torch.Tensor, src_idx, dst: torch.Tensor, dst_idx, engine: str = "auto") -> None:
     """engine: "kernel" (one SM kernel moves every pair), "copy_engine" (the pairs, merged
     into contiguous runs, go to the DMA engines in one cudaMemcpyBatchAsync; CPU indices
