@@ -22,10 +22,10 @@ from .layout import DEFAULT_BLOCK_TOKENS, PAYLOAD_FORMAT_VERSION, BlockLayout
 from .manager import CacheConfig, PrefixCache, PrefixMatch
 from .metrics import CacheMetrics, MetricsRegistry
 from .persistent import PersistentStore, StoreIdentity
-from .swa_pool import SwaSnapshot, SwaSnapshotPool
+from .swa_pool import SwaSnapshotPool, TensorSnapshot
 
 __all__ = ["BlockHasher", "CacheKey", "model_fingerprint", "sha256", "BlockLayout", "DEFAULT_BLOCK_TOKENS",
-           "PAYLOAD_FORMAT_VERSION", "GlobalKVPool", "SwaSnapshot", "SwaSnapshotPool", "PersistentStore",
+           "PAYLOAD_FORMAT_VERSION", "GlobalKVPool", "TensorSnapshot", "SwaSnapshotPool", "PersistentStore",
            "StoreIdentity", "CacheConfig", "PrefixCache", "PrefixMatch", "CacheMetrics", "MetricsRegistry",
            "CacheError", "LayoutError", "PayloadError", "PoolFullError", "StoreError", "StoreLockedError",
            "StoreMismatchError", "StoreReadOnlyError"]
