@@ -76,6 +76,9 @@ def _cmd_digest(args: argparse.Namespace) -> int:
     except (CheckpointError, OSError, ValueError, RuntimeError) as e:
         print(f"dsv41 digest: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # safetensors' own errors (a damaged shard): a message, not a traceback
+        print(f"dsv41 digest: {args.directory}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     print(digest)
     return 0
 
