@@ -14,11 +14,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
 from dsv41.cache import CacheConfig, PrefixCache
 from dsv41.cache.manager import StoreDisabledWarning
 
-from .helpers import B, LAYOUT, TINY, WEIGHTS_ID
+from .helpers import LAYOUT, TINY, WEIGHTS_ID, B
 
 
 def _cache(store_dir: str) -> tuple[PrefixCache, list[str]]:

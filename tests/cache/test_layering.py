@@ -9,9 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import dsv41.cache
+import pytest
 
 CACHE_DIR = Path(dsv41.cache.__file__).parent
 FORBIDDEN = ("dsv41.model", "dsv41.engine", "dsv41.eval", "dsv41.server", "dsv41.replay", "dsv41.cli")

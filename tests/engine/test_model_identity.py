@@ -16,7 +16,6 @@ import warnings
 
 import pytest
 import torch
-
 from dsv41.cache import CacheConfig, PrefixCache
 from dsv41.cache.manager import StoreDisabledWarning
 from dsv41.config import ModelConfig

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
-
 from dsv41.cli import main
 from dsv41.config import ModelConfig
-from dsv41.model import Model, weights_id as wid
+from dsv41.model import Model
+from dsv41.model import weights_id as wid
 from dsv41.model.checkpoint import shard_files
 
 TINY = ModelConfig.preset("v41-tiny")
@@ -52,7 +52,7 @@ def test_load_trusts_an_unchanged_record_without_hashing(model, tmp_path, monkey
 def _flip_one_weight(directory) -> None:
     """Changes one float of a shard in place: same size and header, new content."""
     path = directory / shard_files(directory)[0]
-    raw, header, data_at = wid._read_header(path)
+    _, header, data_at = wid._read_header(path)
     name = next(k for k in header if k != "__metadata__")
     begin = data_at + header[name]["data_offsets"][0]
     with open(path, "r+b") as f:
