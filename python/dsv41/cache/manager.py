@@ -136,6 +136,8 @@ class PrefixCache:
         self.config = config
         self.layout = BlockLayout(config, cc.block_tokens)
         self.block_tokens = cc.block_tokens
+        if weights_id is not None and (not isinstance(weights_id, str) or not weights_id.strip()):
+            raise TypeError(f"weights_id must be a non-empty str or None, got {weights_id!r}")
         self.kv_fingerprint = config.fingerprint() if kv_fingerprint is None else kv_fingerprint
         self.weights_id = weights_id
         self.fingerprint = model_fingerprint(self.kv_fingerprint, weights_id)
