@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import dsv41  # noqa: E402
-from dsv41.cache import CacheConfig, PrefixCache, SwaSnapshot  # noqa: E402
+from dsv41.cache import CacheConfig, PrefixCache, TensorSnapshot  # noqa: E402
 from dsv41.cache import io as cio  # noqa: E402
 from dsv41.cache.hashing import BlockHasher, CacheKey, model_fingerprint  # noqa: E402
 from dsv41.cache.layout import PAYLOAD_FORMAT_VERSION, BlockLayout  # noqa: E402
@@ -77,7 +77,7 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
     n_chains = max(1, args.store_mb * (1 << 20) // (P * chain_blocks))
     n_blocks = n_chains * chain_blocks
     hasher = BlockHasher(args.block_tokens)
-    fp = model_fingerprint(cfg)
+    fp = model_fingerprint(cfg.fingerprint(), "bench")
     key = CacheKey("bench", fp, PAYLOAD_FORMAT_VERSION).encode()
     ident = StoreIdentity(fp, layout.fingerprint(), args.block_tokens, P, PAYLOAD_FORMAT_VERSION, "sha256", 32)
     root = Path(tempfile.mkdtemp(prefix="dsv41-bench-", dir=args.dir))
@@ -241,7 +241,7 @@ def bench_snapshot(args, out: dict) -> None:
     tensors["tail_kv"] = torch.randint(0, 255, (63, 890), dtype=torch.uint8, generator=g)
     tensors["compressor_state"] = torch.randn(3, 2, cfg.head_dim, generator=g)
     n = 4096 + 37
-    snap = SwaSnapshot(n, tensors, {"num_tokens": n})
+    snap = TensorSnapshot(n, tensors, {"num_tokens": n})
     nbytes = snap.nbytes
     hasher = BlockHasher(args.block_tokens)
     key = CacheKey("bench", "fp", 1).encode()

@@ -120,9 +120,10 @@ def bench_ttft(model: Model, prefixes: list[int], suffix: int, block: int, seed:
     for n in prefixes:
         prefix = torch.randint(0, c.vocab_size, (n,), generator=g).tolist()
         tail = torch.randint(0, c.vocab_size, (suffix,), generator=g).tolist()
-        cache = PrefixCache(c, CacheConfig(block_tokens=block, device="cpu", gpu_capacity_bytes=1 << 26,
-                                           swa_capacity_bytes=1 << 26, swa_ttl_s=10.0),
-                            clock=lambda: t[0])
+        cache = PrefixCache.for_model(model, CacheConfig(block_tokens=block, device="cpu",
+                                                         gpu_capacity_bytes=1 << 26, swa_capacity_bytes=1 << 26,
+                                                         swa_ttl_s=10.0),
+                                      clock=lambda: t[0])
         eng = Engine(model, cache=cache, replay="bounded", write_approximate=False)
         row = {"prefix_tokens": n, "suffix_tokens": suffix}
         log(f"TTFT, prefix {n}: cold ...")

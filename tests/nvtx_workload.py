@@ -38,7 +38,7 @@ def make_cache(model, store: str, clock: Clock) -> PrefixCache:
     cc = CacheConfig(block_tokens=BLOCK, device="cpu", gpu_capacity_bytes=1 << 24,
                      swa_capacity_bytes=1 << 26, swa_ttl_s=10.0, store_dir=store,
                      store_durability="none", store_direct_io=False)
-    return PrefixCache(model.config, cc, clock=clock)
+    return PrefixCache.for_model(model, cc, clock=clock)
 
 
 def stats(o) -> dict:

@@ -1,5 +1,5 @@
 """SWA snapshot pack (put into the host pool's one flat buffer) and unpack (one copy out,
-views per tensor), beside the reference: SwaSnapshot.clone(), a copy per tensor. The
+views per tensor), beside the reference: TensorSnapshot.clone(), a copy per tensor. The
 snapshot has V4.1-Flash's shape: 40 layers x 128 tokens of FP8 values (512) + UE8M0 scales
 (16), 2.7 MB."""
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41.cache.swa_pool import SwaSnapshot, _Packed
+from dsv41.cache.swa_pool import TensorSnapshot, _Packed
 
 LAYERS, WINDOW, DIM = 40, 128, 512
 
 
-def _snapshot() -> SwaSnapshot:
+def _snapshot() -> TensorSnapshot:
     g = torch.Generator().manual_seed(0)
     tensors = {"tokens": torch.arange(4096, dtype=torch.int64)}
     for layer in range(LAYERS):
@@ -20,10 +20,10 @@ def _snapshot() -> SwaSnapshot:
                                                        generator=g).view(torch.float8_e4m3fn)
         tensors[f"swa_scales.{layer}"] = torch.randint(0, 256, (WINDOW, DIM // 32), dtype=torch.uint8,
                                                        generator=g)
-    return SwaSnapshot(4096, tensors, {"format": "bench"})
+    return TensorSnapshot(4096, tensors, {"format": "bench"})
 
 
-def _same(a: SwaSnapshot, b: SwaSnapshot) -> bool:
+def _same(a: TensorSnapshot, b: TensorSnapshot) -> bool:
     return a.tensors.keys() == b.tensors.keys() and all(
         torch.equal(a.tensors[k].view(torch.uint8), b.tensors[k].view(torch.uint8)) for k in a.tensors)
 

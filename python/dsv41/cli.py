@@ -4,6 +4,7 @@
     dsv41 kv-bytes --preset v41-flash    the KV byte budget of a model (table or --json)
     dsv41 kv-bytes --config config.json  ... of a Hugging Face or inference config file
     dsv41 cache stats|verify|gc DIR      look after a persistent prefix store
+    dsv41 digest CKPT_DIR                record a checkpoint's weights digest (its cache identity)
     dsv41 demo [--json]                  an agent workload through the engine and cache
     dsv41 eval [--matrix M --contract C --out DIR --model CKPT]   the replay acceptance matrix
 """
@@ -48,6 +49,40 @@ def _cmd_kv_bytes(args: argparse.Namespace) -> int:
     return 0
 
 
+class _ProgressBar:
+    """A one-line progress bar on stderr, redrawn at most once per percent."""
+
+    def __init__(self, label: str, stream=None):
+        self.label, self.stream, self.shown = label, stream or sys.stderr, -1
+
+    def __call__(self, done: int, total: int) -> None:
+        pct = 100 if total == 0 else done * 100 // total
+        if pct == self.shown:
+            return
+        self.shown = pct
+        bar = "#" * (pct * 30 // 100)
+        self.stream.write(f"\r{self.label} [{bar:<30}] {pct:3d}%  {done / 2**30:.2f}/{total / 2**30:.2f} GiB")
+        if done >= total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def _cmd_digest(args: argparse.Namespace) -> int:
+    from .model.checkpoint import CheckpointError, digest_checkpoint
+
+    try:
+        bar = None if args.quiet else _ProgressBar(f"hashing {args.directory}")
+        digest = digest_checkpoint(args.directory, progress=bar)
+    except (CheckpointError, OSError, ValueError, RuntimeError) as e:
+        print(f"dsv41 digest: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # safetensors' own errors (a damaged shard): a message, not a traceback
+        print(f"dsv41 digest: {args.directory}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(digest)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import preset_names
 
@@ -67,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="preset to state the ratios against (default: v4-flash)")
     kv.add_argument("--json", action="store_true", help="print a JSON object")
     kv.set_defaults(func=_cmd_kv_bytes)
+
+    dg = sub.add_parser("digest", help="compute a checkpoint's weights digest and record it in "
+                        "CKPT_DIR/weights_digest.json (the prefix cache's identity for the weights)")
+    dg.add_argument("directory", metavar="CKPT_DIR", help="a checkpoint directory (config.json + safetensors)")
+    dg.add_argument("--quiet", action="store_true", help="no progress bar")
+    dg.set_defaults(func=_cmd_digest)
 
     from .cache.cli import add_cache_parser
     add_cache_parser(sub)

@@ -15,7 +15,8 @@ from dsv41.config import ModelConfig
 TINY = ModelConfig.preset("v41-tiny")
 B = 16  # small blocks keep records tiny (tiny's ratios are 1 and 2)
 LAYOUT = BlockLayout(TINY, B)
-FP = model_fingerprint(TINY)
+WEIGHTS_ID = "tests:tiny"  # the caches of these tests stand for one model's weights
+FP = model_fingerprint(TINY.fingerprint(), WEIGHTS_ID)
 
 
 def weak_hash(data: bytes) -> bytes:

@@ -12,7 +12,7 @@ from dsv41 import _C
 from dsv41.cache import CacheConfig, PrefixCache, io
 
 from ..conftest import requires_cuda
-from .helpers import B, LAYOUT, TINY, chain_payloads, rand_tokens
+from .helpers import B, LAYOUT, TINY, WEIGHTS_ID, chain_payloads, rand_tokens
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -52,7 +52,8 @@ def test_ssd_hits_are_promoted_into_device_memory_bit_exact(tmp_path, gds, monke
     if gds and not io.io_info()["gds_available"]:
         pytest.skip("GPUDirect Storage unavailable: " + io.io_info()["gds_detail"])
     cache = PrefixCache(TINY, CacheConfig(block_tokens=B, gpu_capacity_bytes=32 * LAYOUT.block_bytes,
-                                          device="cuda", swa_capacity_bytes=0, store_dir=str(tmp_path / "s")))
+                                          device="cuda", swa_capacity_bytes=0, store_dir=str(tmp_path / "s")),
+                        weights_id=WEIGHTS_ID)
     if not gds:
         monkeypatch.setattr(type(cache.store), "gds_available", property(lambda self: False))
     assert cache.pool.storage.is_cuda

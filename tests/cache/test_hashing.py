@@ -87,7 +87,17 @@ def test_token_validation():
 
 
 def test_model_fingerprint_covers_config_and_weights():
-    other = ModelConfig.preset("v41-small")
-    assert model_fingerprint(TINY) == model_fingerprint(TINY)
-    assert model_fingerprint(TINY) != model_fingerprint(other)
-    assert model_fingerprint(TINY, "w1") != model_fingerprint(TINY, "w2") != model_fingerprint(TINY)
+    tiny, other = TINY.fingerprint(), ModelConfig.preset("v41-small").fingerprint()
+    assert model_fingerprint(tiny, "w") == model_fingerprint(tiny, "w")
+    assert model_fingerprint(tiny, "w") != model_fingerprint(other, "w")
+    assert len({model_fingerprint(tiny, "w1"), model_fingerprint(tiny, "w2"), model_fingerprint(tiny, None),
+                model_fingerprint(tiny, "")}) == 4   # unknown weights (None) is not the id ""
+
+
+@pytest.mark.parametrize("bad, err", [(7, TypeError), (b"tenant", TypeError), (None, TypeError),
+                                      ("tenant-\udc80", ValueError)])
+def test_namespace_must_be_a_utf8_encodable_str(bad, err):
+    with pytest.raises(err, match="namespace"):
+        CacheKey(bad, FP, 1).encode()
+    with pytest.raises(err, match="extra key value"):
+        CacheKey("ns", FP, 1, (("lora", bad),)).encode()

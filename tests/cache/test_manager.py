@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.cache import CacheConfig, PrefixCache, SwaSnapshot
+from dsv41.cache import CacheConfig, PrefixCache, TensorSnapshot
 from dsv41.cache.errors import PayloadError
 
-from .helpers import B, LAYOUT, TINY, chain_payloads, rand_tokens, weak_hash
+from .helpers import B, LAYOUT, TINY, WEIGHTS_ID, chain_payloads, rand_tokens, weak_hash
 from .test_metrics import check_exposition
 
 BB = LAYOUT.block_bytes
@@ -26,7 +26,7 @@ def make(tmp_path=None, **kw) -> PrefixCache:
     kw.setdefault("store_durability", "none")
     if tmp_path is not None:
         kw.setdefault("store_dir", str(tmp_path / "store"))
-    return PrefixCache(TINY, CacheConfig(**kw))
+    return PrefixCache(TINY, CacheConfig(**kw), weights_id=WEIGHTS_ID)
 
 
 def payloads(cache: PrefixCache, tokens, start=0) -> torch.Tensor:
@@ -34,9 +34,9 @@ def payloads(cache: PrefixCache, tokens, start=0) -> torch.Tensor:
     return torch.from_numpy(chain_payloads(np.asarray(tokens, "<u4"), cache.key("a")))[start:]
 
 
-def snapshot(n: int, seed: int) -> SwaSnapshot:
+def snapshot(n: int, seed: int) -> TensorSnapshot:
     g = torch.Generator().manual_seed(seed)
-    return SwaSnapshot(n, {"swa": torch.randn(4, 8, generator=g)}, {"n": n})
+    return TensorSnapshot(n, {"swa": torch.randn(4, 8, generator=g)}, {"n": n})
 
 
 def test_tiers_in_order_gpu_then_ssd_then_snapshot(tmp_path):
@@ -176,7 +176,7 @@ def test_pool_full_still_persists_and_disk_full_keeps_memory(tmp_path):
 
     cache = PrefixCache(TINY, CacheConfig(block_tokens=B, gpu_capacity_bytes=3 * BB, device="cpu",
                                           swa_capacity_bytes=0, store_dir=str(tmp_path / "s"),
-                                          store_durability="none"), store_fault=fault)
+                                          store_durability="none"), weights_id=WEIGHTS_ID, store_fault=fault)
     prompt = np.arange(5 * B, dtype="<u4")
     m = cache.insert(prompt, payloads(cache, prompt), "a")
     assert m.num_blocks == 3 and len(cache.store) == 5  # the pool holds 3, the SSD all 5

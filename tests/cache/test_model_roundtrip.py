@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("dsv41.model", reason="needs the model (dsv41.model)")
 
 from dsv41.cache import CacheConfig, PrefixCache  # noqa: E402
-from dsv41.cache.adapter import (cache_fingerprint, export_blocks, import_blocks, snapshot_boundary,  # noqa: E402
-                                 snapshot_from_cache, snapshot_to_cache)
 from dsv41.config import ModelConfig  # noqa: E402
+from dsv41.engine.cache_adapter import (export_blocks, import_blocks, snapshot_boundary,  # noqa: E402
+                                        snapshot_from_cache, snapshot_to_cache)
 from dsv41.model import Model, state_bytes_equal, state_diff  # noqa: E402
 
 TINY = ModelConfig.preset("v41-tiny")
@@ -38,7 +38,7 @@ def assert_same_global_kv(resumed, live, tokens: int) -> None:
 def _cache(model, tmp_path, **kw):
     cc = CacheConfig(block_tokens=16, gpu_capacity_bytes=64 << 20, device="cpu", swa_capacity_bytes=64 << 20,
                      store_dir=str(tmp_path / "store"), store_durability="none", **kw)
-    return PrefixCache(TINY, cc, fingerprint=cache_fingerprint(model))
+    return PrefixCache.for_model(model, cc)
 
 
 @pytest.mark.parametrize("prompt_len", [16 * 5 + 7, 16 * 4])  # with and without an unaligned tail
@@ -91,7 +91,6 @@ def test_global_kv_survives_a_restart_bit_identical(model, tmp_path):
         cache.release(hit)
     # Another model (other weights) never sees these blocks.
     other = Model.synthetic(TINY, seed=4)
-    with PrefixCache(TINY, CacheConfig(block_tokens=16, device="cpu", swa_capacity_bytes=0,
-                                       store_dir=str(tmp_path / "store2")),
-                     fingerprint=cache_fingerprint(other, "other-weights")) as c2:
+    with PrefixCache.for_model(other, CacheConfig(block_tokens=16, device="cpu", swa_capacity_bytes=0,
+                                                  store_dir=str(tmp_path / "store2"))) as c2:
         assert c2.match(prompt, "t").num_blocks == 0

@@ -7,7 +7,7 @@ import torch
 
 from dsv41.cache.errors import PayloadError
 from dsv41.cache.hashing import BlockHasher
-from dsv41.cache.swa_pool import SwaSnapshot, SwaSnapshotPool, default_swa_capacity
+from dsv41.cache.swa_pool import TensorSnapshot, SwaSnapshotPool, default_swa_capacity
 
 from .helpers import B, key, rand_tokens, weak_hash
 
@@ -20,15 +20,15 @@ class Clock:
         return self.t
 
 
-def snap(n: int, seed: int, size: int = 64) -> SwaSnapshot:
+def snap(n: int, seed: int, size: int = 64) -> TensorSnapshot:
     g = torch.Generator().manual_seed(seed)
-    return SwaSnapshot(n, {"swa.0": torch.randint(0, 255, (size,), dtype=torch.uint8, generator=g),
+    return TensorSnapshot(n, {"swa.0": torch.randint(0, 255, (size,), dtype=torch.uint8, generator=g),
                            "tail_kv": torch.randn(3, 4, generator=g),
                            "comp_state": torch.randn(2, 8, generator=g, dtype=torch.float64)},
                        {"positions": n, "layers": [0, 1]})
 
 
-def same(a: SwaSnapshot, b: SwaSnapshot) -> bool:
+def same(a: TensorSnapshot, b: TensorSnapshot) -> bool:
     return a.num_tokens == b.num_tokens and a.meta == b.meta and a.tensors.keys() == b.tensors.keys() and all(
         a.tensors[k].dtype == b.tensors[k].dtype and torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
 
@@ -60,7 +60,7 @@ def test_longest_exact_prefix_is_served_as_a_copy():
 def test_every_dtype_shape_and_layout_round_trips_bit_exact():
     g = torch.Generator().manual_seed(5)
     base = torch.randn(6, 32, generator=g)
-    s = SwaSnapshot(B, {"fp8": base.to(torch.float8_e4m3fn), "bf16": base.to(torch.bfloat16),
+    s = TensorSnapshot(B, {"fp8": base.to(torch.float8_e4m3fn), "bf16": base.to(torch.bfloat16),
                         "f32_t": base.t(),  # not contiguous
                         "empty": torch.zeros(0, 7), "flag": base > 0, "i64": torch.arange(5),
                         "scalar": torch.tensor(3.5)}, {"nested": {"a": [1, 2]}})

@@ -33,7 +33,7 @@ def make_cache(tiny_model, tmp_path):
                          swa_capacity_bytes=1 << 26, swa_ttl_s=ttl,
                          store_dir=str(tmp_path / f"store{len(made)}") if store else None,
                          store_durability="none")
-        cache = PrefixCache(tiny_model.config, cc, clock=clock)
+        cache = PrefixCache.for_model(tiny_model, cc, clock=clock)
         made.append(cache)
         return cache, clock
 

@@ -5,12 +5,15 @@
     global_pool  GlobalKVPool: paged, ref-counted global KV blocks on the GPU
     swa_pool     SwaSnapshotPool: exact SWA snapshots in host DRAM, with a TTL
     persistent   PersistentStore: verified, crash-safe global KV blocks on SSD
-    manager      PrefixCache: lookup across tiers, insert, promotion, admission
+    manager      PrefixCache: lookup across tiers, insert, promotion, admission; for_model/bind
+                 tie it to one model (config, KV options, weights identity)
     metrics      counters and histograms (dict and Prometheus text)
     io           the C++ I/O engine (O_DIRECT pread/pwrite, CRC-32C, GDS)
     interop      pool blocks and SWA snapshots as CuPy arrays, no copy (CuPy optional)
     cli          `dsv41 cache stats|verify|gc`
 
+This package never imports the model (it takes a model's identity by duck typing);
+engine/cache_adapter.py converts model states to block payloads and snapshots.
 docs/cache.md describes the design and the on-disk format.
 """
 from __future__ import annotations
@@ -20,13 +23,13 @@ from .errors import (CacheError, LayoutError, PayloadError, PoolFullError, Store
 from .global_pool import GlobalKVPool
 from .hashing import BlockHasher, CacheKey, model_fingerprint, sha256
 from .layout import DEFAULT_BLOCK_TOKENS, PAYLOAD_FORMAT_VERSION, BlockLayout
-from .manager import CacheConfig, PrefixCache, PrefixMatch
+from .manager import CacheConfig, PrefixCache, PrefixMatch, StoreDisabledWarning
 from .metrics import CacheMetrics, MetricsRegistry
 from .persistent import PersistentStore, StoreIdentity
-from .swa_pool import SwaSnapshot, SwaSnapshotPool
+from .swa_pool import SwaSnapshotPool, TensorSnapshot
 
 __all__ = ["BlockHasher", "CacheKey", "model_fingerprint", "sha256", "BlockLayout", "DEFAULT_BLOCK_TOKENS",
-           "PAYLOAD_FORMAT_VERSION", "GlobalKVPool", "SwaSnapshot", "SwaSnapshotPool", "PersistentStore",
-           "StoreIdentity", "CacheConfig", "PrefixCache", "PrefixMatch", "CacheMetrics", "MetricsRegistry",
-           "CacheError", "LayoutError", "PayloadError", "PoolFullError", "StoreError", "StoreLockedError",
+           "PAYLOAD_FORMAT_VERSION", "GlobalKVPool", "TensorSnapshot", "SwaSnapshotPool", "PersistentStore",
+           "StoreIdentity", "CacheConfig", "PrefixCache", "PrefixMatch", "StoreDisabledWarning", "CacheMetrics",
+           "MetricsRegistry", "CacheError", "LayoutError", "PayloadError", "PoolFullError", "StoreError", "StoreLockedError",
            "StoreMismatchError", "StoreReadOnlyError"]

@@ -20,8 +20,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..config import ModelConfig
-
 __all__ = ["HashFn", "sha256", "CacheKey", "BlockHasher", "model_fingerprint", "as_token_array", "decode_key",
            "MAX_DIGEST_BYTES"]
 
@@ -31,7 +29,7 @@ MAX_DIGEST_BYTES = 32  # records and pool slots store digests of at most this ma
 _DOMAIN_ROOT = b"dsv41.cache.root.v1"
 _DOMAIN_BLOCK = b"dsv41.cache.block.v1"
 _DOMAIN_KEY = b"dsv41.cache.key.v1"
-_DOMAIN_MODEL = b"dsv41.model.v1"
+_DOMAIN_MODEL = b"dsv41.model.v2"   # v2: KV options and the weights' identity
 
 
 def sha256(data: bytes) -> bytes:
@@ -61,13 +59,28 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr.astype("<u4")
 
 
-def model_fingerprint(config: ModelConfig, weights_digest: str | None = None) -> str:
-    """The model part of every cache key: the config's fingerprint and a digest of the
-    weights (from the loader; None for a model whose weights are not identified, which
-    then shares cache entries with every other such model of the same config)."""
-    data = _DOMAIN_MODEL + _field(b"config", config.fingerprint().encode()) \
-        + _field(b"weights", (weights_digest or "").encode())
+def model_fingerprint(kv_fingerprint: str, weights_id: str | None) -> str:
+    """The model part of every cache key, computed here and nowhere else.
+
+    kv_fingerprint: the config and every model option that changes stored bytes
+    (`Model.kv_fingerprint()`; a cache built from a config alone uses
+    `ModelConfig.fingerprint()`, so it never matches a model's). weights_id: the weights'
+    identity (`Model.weights_id`); None when unknown, and then the cache never uses its
+    persistent store (PrefixCache), since the fingerprint cannot tell such models apart."""
+    data = _DOMAIN_MODEL + _field(b"kv", _text("kv_fingerprint", kv_fingerprint)) \
+        + _field(b"weights", b"" if weights_id is None else b"id:" + _text("weights_id", weights_id))
     return hashlib.sha256(data).hexdigest()
+
+
+def _text(what: str, value) -> bytes:
+    """A key field as UTF-8, with a clear error for a non-str or a str UTF-8 cannot encode."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {type(value).__name__} {value!r}")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} {value!r} cannot be encoded as UTF-8 ({e.reason} at index "
+                         f"{e.start}); use a str without lone surrogates") from None
 
 
 @dataclass(frozen=True)
@@ -85,12 +98,14 @@ class CacheKey:
     extra: tuple[tuple[str, str], ...] = field(default=())
 
     def encode(self) -> bytes:
-        parts = [_DOMAIN_KEY, _field(b"namespace", self.namespace.encode()),
-                 _field(b"model", self.model_fingerprint.encode()),
+        parts = [_DOMAIN_KEY, _field(b"namespace", _text("namespace", self.namespace)),
+                 _field(b"model", _text("model_fingerprint", self.model_fingerprint)),
                  _field(b"format", str(int(self.format_version)).encode())]
-        for name, value in self.extra:
-            parts.append(_field(b"extra", _field(b"name", name.encode())
-                                + _field(b"value", value.encode())))
+        for pair in self.extra:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(f"extra keys must be (name, value) pairs of str, got {pair!r}")
+            parts.append(_field(b"extra", _field(b"name", _text("extra key name", pair[0]))
+                                + _field(b"value", _text("extra key value", pair[1]))))
         return b"".join(parts)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .global_pool import GlobalKVPool
-from .swa_pool import SwaSnapshot
+from .swa_pool import TensorSnapshot
 
 __all__ = ["cupy_available", "to_cupy", "from_cupy", "pool_block", "pool_blocks",
            "snapshot_to_cupy", "snapshot_from_cupy"]
@@ -103,7 +103,7 @@ def pool_blocks(pool: GlobalKVPool, block_ids=None) -> Any:
     return to_cupy(pool.storage[ids[0]: ids[-1] + 1])
 
 
-def snapshot_to_cupy(snap: SwaSnapshot) -> tuple[dict[str, Any], dict[str, torch.dtype]]:
+def snapshot_to_cupy(snap: TensorSnapshot) -> tuple[dict[str, Any], dict[str, torch.dtype]]:
     """A snapshot whose tensors are in CUDA memory (SwaSnapshotPool.get(..., device="cuda")
     or adapter.snapshot_to_cache of a GPU state) as CuPy arrays over the same memory, and
     each tensor's torch dtype."""
@@ -112,10 +112,10 @@ def snapshot_to_cupy(snap: SwaSnapshot) -> tuple[dict[str, Any], dict[str, torch
 
 
 def snapshot_from_cupy(arrays: dict[str, Any], dtypes: dict[str, torch.dtype], num_tokens: int,
-                       meta: dict | None = None) -> SwaSnapshot:
-    """The inverse: a SwaSnapshot whose tensors share the CuPy arrays' memory."""
+                       meta: dict | None = None) -> TensorSnapshot:
+    """The inverse: a TensorSnapshot whose tensors share the CuPy arrays' memory."""
     missing = arrays.keys() ^ dtypes.keys()
     if missing:
         raise ValueError(f"snapshot_from_cupy: arrays and dtypes disagree on {sorted(missing)}")
-    return SwaSnapshot(int(num_tokens), {n: from_cupy(a, dtypes[n]) for n, a in arrays.items()},
+    return TensorSnapshot(int(num_tokens), {n: from_cupy(a, dtypes[n]) for n, a in arrays.items()},
                        dict(meta or {}))

@@ -1,6 +1,6 @@
 """PrefixCache: the three tiers behind one interface a server can call.
 
-    cache = PrefixCache(ModelConfig.preset("v41-flash"), CacheConfig(store_dir="/ssd/dsv41"))
+    cache = PrefixCache.for_model(model, CacheConfig(store_dir="/ssd/dsv41"))
     m = cache.match(prompt_ids, namespace="tenant-a")    # verified, pinned, SSD hits promoted
     m.cached_tokens       # block-aligned global KV now in the GPU pool (m.block_ids)
     m.snapshot            # exact SWA state of the longest snapshotted prefix, or None
@@ -19,11 +19,23 @@ after the prefill that computed it; with N > 0 only once it has been matched N t
 (sparing SSD wear for prompts that are never reused). The store holds whole prefixes only:
 a block is written only when the block before it is stored. Writes are synchronous, at the
 end of insert/match, outside the pool lock.
+
+Model identity. Every key holds the model fingerprint (hashing.model_fingerprint): the KV
+fingerprint (config + options that change stored bytes) and the weights' identity.
+`for_model(model, ...)` takes both from the model (duck-typed: `config`, `kv_fingerprint()`,
+`weights_id`, so this package never imports the model) and `bind(model)`, which the Engine
+calls, refuses any other model. Without a weights identity the fingerprint cannot tell two
+models of one config apart, so such a cache keeps to its memory tiers (bound to the one
+model object it was built for) and never opens the persistent store; a store directory
+that cannot be opened for writing (read-only, not a directory) does the same. Each says
+so in one warning.
 """
 from __future__ import annotations
 
 import threading
 import time
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -32,16 +44,30 @@ import torch
 
 from .. import profiling
 from ..config import ModelConfig
-from .errors import PayloadError
+from .errors import PayloadError, StoreLockedError, StoreMismatchError
 from .global_pool import GlobalKVPool
 from .hashing import BlockHasher, CacheKey, HashFn, as_token_array, model_fingerprint, sha256
 from .layout import DEFAULT_BLOCK_TOKENS, PAYLOAD_FORMAT_VERSION, BlockLayout
 from .metrics import CacheMetrics
 from .persistent import DEFAULT_SEGMENT_BYTES, DEFAULT_TTL_S, PersistentStore, StoreIdentity
 from .swa_pool import DEFAULT_TTL_S as SWA_TTL_S
-from .swa_pool import SwaSnapshot, SwaSnapshotPool
+from .swa_pool import SwaSnapshotPool, TensorSnapshot
 
-__all__ = ["CacheConfig", "PrefixMatch", "PrefixCache"]
+__all__ = ["CacheConfig", "PrefixMatch", "PrefixCache", "StoreDisabledWarning"]
+
+
+class StoreDisabledWarning(UserWarning):
+    """The cache runs without its persistent store (no weights identity, unusable directory)."""
+
+
+def _model_identity(model) -> tuple[str, str | None]:
+    """(kv fingerprint, weights id) of a model, read through its duck-typed interface."""
+    try:
+        kv, wid = model.kv_fingerprint(), model.weights_id
+    except AttributeError:
+        raise TypeError(f"expected a dsv41 Model (with kv_fingerprint() and weights_id), got "
+                        f"{type(model).__name__}") from None
+    return kv, wid
 
 
 @dataclass
@@ -77,7 +103,7 @@ class PrefixMatch:
     block_tokens: int
     gpu_blocks: int = 0           # blocks found in the GPU pool
     ssd_blocks: int = 0           # blocks loaded from the SSD tier into the pool
-    snapshot: SwaSnapshot | None = None
+    snapshot: TensorSnapshot | None = None
     released: bool = field(default=False, repr=False)
 
     @property
@@ -96,8 +122,13 @@ class PrefixMatch:
 
 
 class PrefixCache:
+    """The tiered prefix cache of one model. Build it with `PrefixCache.for_model(model,
+    CacheConfig(...))`; the plain constructor serves tools and tests that have a config but
+    no model: `weights_id` then names the weights (None: memory tiers only) and
+    `kv_fingerprint` the config + options (default: the config's fingerprint alone)."""
+
     def __init__(self, config: ModelConfig, cache_config: CacheConfig | None = None, *,
-                 weights_digest: str | None = None, fingerprint: str | None = None,
+                 weights_id: str | None = None, kv_fingerprint: str | None = None,
                  clock: Callable[[], float] = time.time, metrics: CacheMetrics | None = None,
                  store_fault: Callable[[str], None] | None = None):
         cc = self.cache_config = cache_config or CacheConfig()
@@ -106,7 +137,12 @@ class PrefixCache:
         self.config = config
         self.layout = BlockLayout(config, cc.block_tokens)
         self.block_tokens = cc.block_tokens
-        self.fingerprint = fingerprint or model_fingerprint(config, weights_digest)
+        if weights_id is not None and (not isinstance(weights_id, str) or not weights_id.strip()):
+            raise TypeError(f"weights_id must be a non-empty str or None, got {weights_id!r}")
+        self.kv_fingerprint = config.fingerprint() if kv_fingerprint is None else kv_fingerprint
+        self.weights_id = weights_id
+        self.fingerprint = model_fingerprint(self.kv_fingerprint, weights_id)
+        self._owner = None            # weakref to the model for_model() built it for
         self.hasher = BlockHasher(cc.block_tokens, cc.hash_fn, cc.hash_name)
         self.metrics = metrics or CacheMetrics()
         self.clock = clock
@@ -116,13 +152,66 @@ class PrefixCache:
             self.swa = SwaSnapshotPool(self.hasher, cc.swa_capacity_bytes, cc.swa_ttl_s, clock, self.metrics,
                                        pin_memory=self.pool.device.type == "cuda")
         self.store = None
+        self.store_disabled: str | None = None   # why the configured store is not used
         if cc.store_dir is not None:
-            self.store = PersistentStore(
+            self.store = self._open_store(cc, clock, store_fault)
+        self._persist_lock = threading.Lock()
+
+    @classmethod
+    def for_model(cls, model, cache_config: CacheConfig | None = None, **kw) -> "PrefixCache":
+        """The cache for `model`: its keys carry the model's config, KV options and weights
+        identity, so it can never serve another model's KV (Engine checks it with bind)."""
+        kv, wid = _model_identity(model)
+        cache = cls(model.config, cache_config, weights_id=wid, kv_fingerprint=kv, **kw)
+        cache._owner = weakref.ref(model)
+        return cache
+
+    def bind(self, model) -> None:
+        """Raises ValueError unless this cache may serve `model`'s KV: same config, KV
+        options and weights identity; without a weights identity, only the very model object
+        for_model() built it for."""
+        kv, wid = _model_identity(model)
+        if model.config.fingerprint() != self.config.fingerprint():
+            raise ValueError(f"the cache was built for another model config ({self.config.name!r}, "
+                             f"the model is {model.config.name!r})")
+        if (kv, wid) != (self.kv_fingerprint, self.weights_id):
+            raise ValueError(
+                "the cache was built for another model: its model fingerprint "
+                f"{self.fingerprint[:16]}... (weights {self.weights_id!r}) differs from the model's "
+                f"{model_fingerprint(kv, wid)[:16]}... (weights {wid!r}); build it with "
+                "PrefixCache.for_model(model, CacheConfig(...))")
+        if wid is None and (self._owner is None or self._owner() is not model):
+            raise ValueError("the model has no weights identity, so its cache can serve only the model "
+                             "object it was built for: build it with PrefixCache.for_model(model, "
+                             "CacheConfig(...)) (and give the model a weights_id to share the cache)")
+
+    def _open_store(self, cc: CacheConfig, clock, store_fault) -> PersistentStore | None:
+        if self.weights_id is None:
+            return self._no_store(
+                f"the persistent store at {cc.store_dir} is off: the model has no weights identity, so "
+                "its cache keys cannot tell it from another model with the same config (a fine-tune, "
+                "other seeds) and a shared store could serve it their KV. Memory tiers only. Fix: run "
+                "`dsv41 digest CKPT_DIR` once for a checkpoint saved elsewhere (save_pretrained records "
+                "it), or pass weights_id=... (Model.from_pretrained(dir, weights_id=...), "
+                "model.weights_id = ...) before PrefixCache.for_model(model, ...)")
+        try:
+            return PersistentStore(
                 cc.store_dir, self.identity, mode="w", capacity_bytes=cc.store_capacity_bytes,
                 ttl_s=cc.store_ttl_s, durability=cc.store_durability, segment_bytes=cc.store_segment_bytes,
                 on_mismatch=cc.store_on_mismatch, direct=cc.store_direct_io, io_threads=cc.io_threads,
                 clock=clock, metrics=self.metrics, hash_fn=cc.hash_fn, fault=store_fault)
-        self._persist_lock = threading.Lock()
+        except (StoreMismatchError, StoreLockedError):
+            raise   # the directory works but is another model's, or another writer's: say so
+        except OSError as e:
+            return self._no_store(
+                f"the persistent store at {cc.store_dir} is off: it cannot be opened for writing "
+                f"({e.strerror or e}). Memory tiers only. Fix: point store_dir at a writable directory "
+                "(or a path whose parent is one), or leave store_dir None")
+
+    def _no_store(self, why: str) -> None:
+        self.store_disabled = why
+        warnings.warn(why, StoreDisabledWarning, stacklevel=4)
+        return None
 
     @property
     def identity(self) -> StoreIdentity:
@@ -327,7 +416,7 @@ class PrefixCache:
 
     @profiling.traced("cache.put_snapshot",
                       lambda self, tokens, *a, **k: {"tokens": len(tokens)})
-    def put_snapshot(self, tokens, snapshot: SwaSnapshot, namespace: str = "",
+    def put_snapshot(self, tokens, snapshot: TensorSnapshot, namespace: str = "",
                      extra: Sequence[tuple[str, str]] = (), hashes: Sequence[bytes] | None = None) -> bool:
         """Stores the SWA snapshot of the state after exactly `tokens` (end of prompt, end
         of output). Returns False when there is no SWA tier or it does not fit."""
@@ -349,7 +438,8 @@ class PrefixCache:
 
     def stats(self) -> dict:
         out = {"block_tokens": self.block_tokens, "block_bytes": self.layout.block_bytes,
-               "model_fingerprint": self.fingerprint, "gpu": self.pool.stats(),
+               "model_fingerprint": self.fingerprint, "weights_id": self.weights_id,
+               "store_disabled": self.store_disabled, "gpu": self.pool.stats(),
                "swa": self.swa.stats() if self.swa is not None else None,
                "ssd": self.store.stats() if self.store is not None else None}
         m = self.metrics

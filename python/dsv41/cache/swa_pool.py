@@ -3,7 +3,8 @@
 A snapshot is everything a sequence needs, besides its block-aligned global KV, to resume
 exactly where it stopped: the SWA windows of all layers, the global KV of the tail past the
 last full block, and the compressors' partial state. The cache does not look inside: a
-`SwaSnapshot` is a dict of named tensors plus JSON-able metadata, with its byte size.
+`TensorSnapshot` is a dict of named tensors plus JSON-able metadata, with its byte size
+(engine/cache_adapter.py converts the model's `dsv41.model.SwaSnapshot` to and from it).
 
 Snapshots are keyed by the exact token prefix they cover (and the cache key). They are
 indexed under the chain hash of their last full block, so a lookup probes one dict entry
@@ -31,7 +32,7 @@ from .errors import PayloadError
 from .hashing import BlockHasher, as_token_array
 from .metrics import CacheMetrics
 
-__all__ = ["SwaSnapshot", "SwaSnapshotPool", "default_swa_capacity"]
+__all__ = ["TensorSnapshot", "SwaSnapshotPool", "default_swa_capacity"]
 
 DEFAULT_TTL_S = 300.0
 _ENTRY_OVERHEAD = 512  # bookkeeping bytes charged per snapshot
@@ -43,7 +44,7 @@ def default_swa_capacity(fraction: float = 0.10) -> int:
 
 
 @dataclass
-class SwaSnapshot:
+class TensorSnapshot:
     """A sequence's non-block state after `num_tokens` tokens: named tensors + metadata."""
 
     num_tokens: int
@@ -61,7 +62,7 @@ class SwaSnapshot:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def clone(self, device: str | torch.device = "cpu", pin: bool = False) -> "SwaSnapshot":
+    def clone(self, device: str | torch.device = "cpu", pin: bool = False) -> "TensorSnapshot":
         """A deep copy on `device` (contiguous tensors, same dtypes and shapes)."""
         out = {}
         for name, t in self.tensors.items():
@@ -69,7 +70,7 @@ class SwaSnapshot:
             c.copy_(t)
             out[name] = c
         import copy
-        return SwaSnapshot(self.num_tokens, out, copy.deepcopy(self.meta))
+        return TensorSnapshot(self.num_tokens, out, copy.deepcopy(self.meta))
 
 
 _ALIGN = 64  # every tensor starts 64-byte aligned inside the flat buffer (view(dtype) needs it)
@@ -82,7 +83,7 @@ class _Packed:
 
     __slots__ = ("num_tokens", "meta", "flat", "specs", "nbytes")
 
-    def __init__(self, snap: SwaSnapshot, pin: bool, spare: Callable[[int], torch.Tensor | None] = lambda n: None):
+    def __init__(self, snap: TensorSnapshot, pin: bool, spare: Callable[[int], torch.Tensor | None] = lambda n: None):
         specs, off = [], 0
         for name, t in snap.tensors.items():
             n = t.numel() * t.element_size()
@@ -110,7 +111,7 @@ class _Packed:
         import copy
         self.num_tokens, self.meta, self.specs, self.nbytes = snap.num_tokens, copy.deepcopy(snap.meta), specs, snap.nbytes
 
-    def unpack(self, device: str | torch.device = "cpu") -> SwaSnapshot:
+    def unpack(self, device: str | torch.device = "cpu") -> TensorSnapshot:
         tensors = {}
         if torch.device(device).type == "cpu":
             flat = self.flat.numpy().copy()
@@ -122,7 +123,7 @@ class _Packed:
             for name, dtype, shape, o, n in self.specs:
                 tensors[name] = flat[o: o + n].view(dtype).view(shape)
         import copy
-        return SwaSnapshot(self.num_tokens, tensors, copy.deepcopy(self.meta))
+        return TensorSnapshot(self.num_tokens, tensors, copy.deepcopy(self.meta))
 
 
 class _Entry:
@@ -196,7 +197,7 @@ class SwaSnapshotPool:
             self._update_gauges()
             return len(dead)
 
-    def put(self, key: bytes, tokens, snapshot: SwaSnapshot, hashes: Sequence[bytes] | None = None) -> bool:
+    def put(self, key: bytes, tokens, snapshot: TensorSnapshot, hashes: Sequence[bytes] | None = None) -> bool:
         """Stores a copy of `snapshot`, the state after exactly `tokens` (len(tokens) ==
         snapshot.num_tokens). Replaces a snapshot of the same prefix. Returns False (and
         stores nothing) when the snapshot alone exceeds the capacity."""
@@ -231,7 +232,7 @@ class SwaSnapshotPool:
         return True
 
     def get(self, key: bytes, tokens, hashes: Sequence[bytes] | None = None, max_tokens: int | None = None,
-            min_tokens: int = 0, device: str | torch.device = "cpu") -> SwaSnapshot | None:
+            min_tokens: int = 0, device: str | torch.device = "cpu") -> TensorSnapshot | None:
         """A copy of the snapshot of the longest prefix of `tokens` (at most max_tokens,
         at least min_tokens long) stored under `key`, or None."""
         t0 = time.perf_counter()

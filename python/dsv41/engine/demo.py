@@ -55,7 +55,6 @@ def _workload(args, vocab: int) -> tuple[list[int], list[list[tuple[str, list[in
 
 def run_demo(args, out=None, err=None) -> dict:
     from ..cache import CacheConfig, PrefixCache
-    from ..cache.adapter import cache_fingerprint
     from ..config import ModelConfig
     from ..model import Model
     from .llm_engine import Engine
@@ -82,8 +81,7 @@ def run_demo(args, out=None, err=None) -> dict:
     cc = CacheConfig(block_tokens=args.block_tokens, device="cpu", gpu_capacity_bytes=64 << 20,
                      swa_capacity_bytes=256 << 20, swa_ttl_s=ttl, store_dir=str(root / "store"),
                      store_durability="none", store_direct_io=False)
-    fp = cache_fingerprint(model, f"synthetic-seed-{args.seed}")
-    cache = PrefixCache(config, cc, fingerprint=fp, clock=clock)
+    cache = PrefixCache.for_model(model, cc, clock=clock)
     engine = Engine(model, cache=cache, replay="bounded", max_batch=args.conversations)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     shared, convs = _workload(args, config.vocab_size)

@@ -1,6 +1,6 @@
 """Engine: requests in, tokens and per-request statistics out, through the tiered cache.
 
-    engine = Engine(model, cache=PrefixCache(model.config, CacheConfig(...)),
+    engine = Engine(model, cache=PrefixCache.for_model(model, CacheConfig(...)),
                     replay="bounded")     # or "exact", "off", ReplayConfig(...)
     outs = engine.generate([prompt_a, prompt_b], SamplingParams(max_new_tokens=32))
     for ev in engine.stream(prompt):      # StreamEvent per new token
@@ -12,6 +12,9 @@ prefills together with every running decode in one model call, samples, and fini
 sequences on a stop token or max_new_tokens. States are written back to the cache after
 the prefill and at the end of the output (engine/prefix.py; write_approximate=False caches
 only states equal to a full prefill).
+
+The engine refuses a cache built for another model (PrefixCache.bind): another config, KV
+option or weights identity would make its hits wrong KV.
 """
 from __future__ import annotations
 

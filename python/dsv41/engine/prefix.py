@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from .. import profiling
 from ..cache import PrefixCache
-from ..cache.adapter import export_blocks, import_blocks, snapshot_boundary, snapshot_from_cache, snapshot_to_cache
 from ..model import Model
 from ..replay import plan_prompt
+from .cache_adapter import export_blocks, import_blocks, snapshot_boundary, snapshot_from_cache, snapshot_to_cache
 from .sequence import Sequence
 
 __all__ = ["PrefixIO"]
@@ -26,8 +26,8 @@ class PrefixIO:
     def __init__(self, model: Model, cache: PrefixCache | None, write_approximate: bool = True):
         self.model, self.cache = model, cache
         self.write_approximate = write_approximate
-        if cache is not None and cache.config.fingerprint() != model.config.fingerprint():
-            raise ValueError("the cache was built for another model config")
+        if cache is not None:
+            cache.bind(model)    # refuses a cache whose keys name another model (or weights)
 
     @property
     def align(self) -> int | None:

@@ -124,7 +124,7 @@ class EngineBackend:
                          gpu_capacity_bytes=self.gpu_capacity_bytes,
                          swa_capacity_bytes=self.swa_capacity_bytes, swa_ttl_s=self.swa_ttl_s,
                          store_dir=None)
-        return PrefixCache(self.model.config, cc, clock=clock), clock
+        return PrefixCache.for_model(self.model, cc, clock=clock), clock
 
     def run(self, requests: list[BackendRequest], state: str, replay: str, sampling: dict) -> list[list[Turn]]:
         from ..engine import Engine, SamplingParams

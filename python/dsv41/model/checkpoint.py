@@ -8,6 +8,10 @@ also accepts a single `model.safetensors` without an index.
 
 Loading checks the names and shapes of every tensor against the model the config builds
 and fails with an error naming the missing, unexpected or mis-shaped tensors.
+
+`weights_digest.json` records the weights' content digest (model/weights_id.py): written by
+save_pretrained and `dsv41 digest DIR`, re-checked cheaply by load_pretrained, which sets
+`model.weights_id` from it (the prefix cache's key for this model's weights).
 """
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
+from .weights_id import check_weights_id, record_weights_digest, recorded_weights_digest
 
-__all__ = ["CheckpointError", "save_pretrained", "load_pretrained", "CONFIG_NAME", "INDEX_NAME"]
+__all__ = ["CheckpointError", "save_pretrained", "load_pretrained", "shard_files", "digest_checkpoint",
+           "CONFIG_NAME", "INDEX_NAME"]
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -69,6 +75,7 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = 2 <<
             total += t.numel() * t.element_size()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    record_weights_digest(out, weight_map.values())
 
 
 def _weight_map(directory: Path) -> dict[str, str]:
@@ -83,7 +90,29 @@ def _weight_map(directory: Path) -> dict[str, str]:
     raise CheckpointError(f"{directory}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
 
 
-def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu"):
+def shard_files(directory: str | Path) -> list[str]:
+    """The safetensors files that hold a checkpoint's tensors."""
+    return sorted(set(_weight_map(Path(directory)).values()))
+
+
+def digest_checkpoint(directory: str | Path, progress=None) -> str:
+    """Computes the weights digest of a checkpoint and records it in its weights_digest.json
+    (`dsv41 digest DIR`); progress(bytes_done, bytes_total) is called as it goes."""
+    directory = Path(directory)
+    if not (directory / CONFIG_NAME).exists():
+        raise CheckpointError(f"{directory}: no {CONFIG_NAME} (not a checkpoint directory)")
+    files = shard_files(directory)
+    for fname in files:
+        if not (directory / fname).is_file():
+            raise CheckpointError(f"{directory}: shard {fname} is missing")
+    return record_weights_digest(directory, files, progress)
+
+
+def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu",
+                    weights_id: str | None = None):
+    """The model of a checkpoint directory. weights_id: the operator's identity for these
+    weights; by default the recorded digest (None when the checkpoint has none)."""
+    weights_id = check_weights_id(weights_id)
     directory = Path(directory)
     if not (directory / CONFIG_NAME).exists():
         raise CheckpointError(f"{directory}: no {CONFIG_NAME}")
@@ -130,4 +159,5 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
                         raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, expected a "
                                               f"floating dtype (float32)")
                     want.copy_(t.to(torch.float32))
+    model.weights_id = weights_id if weights_id is not None else recorded_weights_digest(directory, files)
     return model

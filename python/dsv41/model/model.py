@@ -85,6 +85,10 @@ class Model(nn.Module):
     MXFP4 quantization (default True, as in V4).
     Runtime switch: `dense_attention = True` makes every compressing layer attend to all of
     its visible global entries instead of the top-k (the benchmark's dense baseline).
+
+    `weights_id` names the weights (model/weights_id.py): set by `synthetic`, by
+    `from_pretrained` from the checkpoint's recorded digest, or by the operator; None when
+    unknown. Whoever changes the weights in place must set it again (or to None).
     """
 
     def __init__(self, config: ModelConfig, *, indexer_rotation: bool = True):
@@ -92,6 +96,7 @@ class Model(nn.Module):
         _check_supported(config, indexer_rotation)
         self.config = config
         self.options = {"indexer_rotation": bool(indexer_rotation)}
+        self.weights_id: str | None = None
         self.dense_attention = False
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i, indexer_rotation=indexer_rotation)
@@ -116,7 +121,9 @@ class Model(nn.Module):
 
     def init_synthetic(self, seed: int) -> "Model":
         from .synthetic import init_synthetic
+        from .weights_id import synthetic_weights_id
         init_synthetic(self, seed)
+        self.weights_id = synthetic_weights_id(self.config.fingerprint(), seed)
         return self
 
     def save_pretrained(self, directory: str | Path, *, max_shard_bytes: int = 2 << 30) -> None:
@@ -124,10 +131,10 @@ class Model(nn.Module):
         save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu"
-                        ) -> "Model":
+    def from_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu",
+                        weights_id: str | None = None) -> "Model":
         from .checkpoint import load_pretrained
-        return load_pretrained(cls, directory, device=device)
+        return load_pretrained(cls, directory, device=device, weights_id=weights_id)
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, device=self.device, options=self.options)
@@ -137,8 +144,9 @@ class Model(nn.Module):
         return self.embed.weight.device
 
     def kv_fingerprint(self) -> str:
-        """The config fingerprint, extended by the options that change stored bytes: the
-        key under which this model's KV may be cached and shared."""
+        """The config fingerprint, extended by the options that change stored bytes. With
+        `weights_id` it makes the prefix cache's model fingerprint
+        (dsv41.cache.hashing.model_fingerprint)."""
         import hashlib
         import json
         blob = json.dumps({"config": self.config.fingerprint(), "options": self.options},

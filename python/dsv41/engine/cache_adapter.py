@@ -1,5 +1,6 @@
-"""The model's SequenceState <-> the cache's payloads. The only file of dsv41.cache that
-knows the model: everything else moves flat block buffers and opaque snapshots.
+"""The model's SequenceState <-> the cache's payloads. It lives in the engine because it
+knows both sides: dsv41.cache never imports the model, it moves flat block buffers and
+opaque snapshots (TensorSnapshot).
 
     blocks = export_blocks(cache.layout, state, start_block, n_blocks)  # after a prefill
     cache.insert(tokens, blocks, match=m)
@@ -15,27 +16,17 @@ block holds.
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
-from ..model import Model, SequenceState
-from ..model import SwaSnapshot as ModelSnapshot
-from .layout import BlockLayout
-from .swa_pool import SwaSnapshot
+from ..cache.layout import BlockLayout
+from ..cache.swa_pool import TensorSnapshot
+from ..model import SequenceState, SwaSnapshot
 
 __all__ = ["export_blocks", "import_blocks", "snapshot_to_cache", "snapshot_from_cache",
-           "snapshot_boundary", "cache_fingerprint"]
+           "snapshot_boundary"]
 
 _KINDS = {"main": ("main_codes", "main_scales"), "index": ("index_codes", "index_scales")}
 _SNAPSHOT_FORMAT = "dsv41.model.SwaSnapshot/1"
-
-
-def cache_fingerprint(model: Model, weights_digest: str | None = None) -> str:
-    """The model part of cache keys: config, the options that change stored bytes
-    (Model.kv_fingerprint) and a digest of the weights."""
-    blob = f"{model.kv_fingerprint()}|{weights_digest or ''}".encode()
-    return hashlib.sha256(blob).hexdigest()
 
 
 def export_blocks(layout: BlockLayout, state: SequenceState, start_block: int, n_blocks: int) -> torch.Tensor:
@@ -73,8 +64,8 @@ def snapshot_boundary(layout: BlockLayout, position: int) -> int:
     return position // layout.block_tokens * layout.block_tokens
 
 
-def snapshot_to_cache(snap: ModelSnapshot) -> SwaSnapshot:
-    """The model's snapshot as the cache's opaque one (named tensors + metadata)."""
+def snapshot_to_cache(snap: SwaSnapshot) -> TensorSnapshot:
+    """The model's SWA snapshot as the cache's opaque TensorSnapshot."""
     tensors = {"tokens": torch.tensor(snap.tokens, dtype=torch.int64)}
     for layer, t in snap.swa_values.items():
         tensors[f"swa_values.{layer}"] = t
@@ -88,10 +79,10 @@ def snapshot_to_cache(snap: ModelSnapshot) -> SwaSnapshot:
             tensors[f"tail.{kind}.{layer}.scales"] = scales
     meta = {"format": _SNAPSHOT_FORMAT, "config_fingerprint": snap.config_fingerprint,
             "aligned_to": snap.aligned_to, "tail_kinds": sorted(snap.tail)}
-    return SwaSnapshot(len(snap.tokens), tensors, meta)
+    return TensorSnapshot(len(snap.tokens), tensors, meta)
 
 
-def snapshot_from_cache(cs: SwaSnapshot, device: str | torch.device | None = None) -> ModelSnapshot:
+def snapshot_from_cache(cs: TensorSnapshot, device: str | torch.device | None = None) -> SwaSnapshot:
     """The inverse of snapshot_to_cache (tensors moved to `device` when given)."""
     if cs.meta.get("format") != _SNAPSHOT_FORMAT:
         raise ValueError(f"not a model snapshot (format {cs.meta.get('format')!r})")
@@ -107,7 +98,7 @@ def snapshot_from_cache(cs: SwaSnapshot, device: str | torch.device | None = Non
             pending[layer] = (t[name], t[f"pending.{layer}.score"])
         elif parts[0] == "tail" and parts[3] == "codes":
             tail[parts[1]][int(parts[2])] = (t[name], t[f"tail.{parts[1]}.{parts[2]}.scales"])
-    return ModelSnapshot(config_fingerprint=cs.meta["config_fingerprint"], tokens=t["tokens"].tolist(),
+    return SwaSnapshot(config_fingerprint=cs.meta["config_fingerprint"], tokens=t["tokens"].tolist(),
                          aligned_to=int(cs.meta["aligned_to"]), swa_values=dict(sorted(swa_values.items())),
                          swa_scales=dict(sorted(swa_scales.items())), pending=dict(sorted(pending.items())),
                          tail=tail)

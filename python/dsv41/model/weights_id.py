@@ -1,0 +1,184 @@
+"""The weights' identity: what the prefix cache keys a model's KV by, besides its config.
+
+Two models with one config but different weights (two seeds, a base model and its
+fine-tune) compute different KV for the same prompt, so the cache must never let one read
+the other's blocks. Each model carries `weights_id` (str, or None when unknown):
+
+    synthetic      "synthetic:<sha256 of config fingerprint and seed>"  (Model.synthetic)
+    checkpoint     "sha256:<content digest of every tensor>"  recorded in weights_digest.json
+    operator       any string given to Model.from_pretrained(dir, weights_id=...) or set
+                   as model.weights_id (the operator vouches that equal ids mean equal weights)
+
+The checkpoint digest covers each tensor's name, dtype, shape and bytes, in name order, so
+it does not depend on how the tensors are split into shards. Hashing hundreds of GB takes
+minutes, so it is computed once (`save_pretrained` writes the record; `dsv41 digest DIR`
+does it for a checkpoint written elsewhere) and re-checked cheaply on every load: the
+record keeps each shard's size, mtime and a hash of its safetensors header; when any of
+them changed the digest is recomputed (and the record rewritten when the directory allows).
+A checkpoint without a record loads with weights_id None: the cache then keeps its memory
+tiers and never touches the persistent store (it says so once, with the fix).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import warnings
+from pathlib import Path
+from typing import Callable, Iterable
+
+__all__ = ["DIGEST_NAME", "synthetic_weights_id", "compute_weights_digest", "record_weights_digest",
+           "recorded_weights_digest", "check_weights_id"]
+
+DIGEST_NAME = "weights_digest.json"
+_RECORD_FORMAT = "dsv41.weights_digest/1"
+_ALGORITHM = "sha256-tensors/1"  # name, dtype, shape, bytes of each tensor in name order
+_CHUNK = 8 << 20
+_MAX_HEADER = 100 << 20          # safetensors' own bound on the JSON header
+
+Progress = Callable[[int, int], None]   # (bytes hashed so far, bytes in all)
+
+
+def check_weights_id(weights_id) -> str | None:
+    if weights_id is None:
+        return None
+    if not isinstance(weights_id, str) or not weights_id.strip():
+        raise TypeError(f"weights_id must be a non-empty str or None, got {weights_id!r}")
+    return weights_id
+
+
+def synthetic_weights_id(config_fingerprint: str, seed: int) -> str:
+    """The identity of `init_synthetic(seed)` weights for a config: they are a pure function
+    of both (model/synthetic.py)."""
+    blob = json.dumps({"config": config_fingerprint, "seed": int(seed)}, sort_keys=True).encode()
+    return "synthetic:" + hashlib.sha256(blob).hexdigest()
+
+
+def _read_header(path: Path) -> tuple[bytes, dict, int]:
+    """(raw header bytes, parsed header, offset of the data section) of a safetensors file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or n > os.fstat(f.fileno()).st_size - 8:
+            raise ValueError(f"{path}: safetensors header length {n} is out of bounds")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{path}: safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object")
+    return raw, header, 8 + n
+
+
+def _file_facts(directory: Path, files: Iterable[str]) -> dict[str, dict]:
+    """What the cheap re-check compares: size, mtime and the header's hash of each shard."""
+    out = {}
+    for name in sorted(files):
+        p = directory / name
+        st = p.stat()
+        raw, _, _ = _read_header(p)
+        out[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                     "header_sha256": hashlib.sha256(raw).hexdigest()}
+    return out
+
+
+def compute_weights_digest(directory: str | Path, files: Iterable[str],
+                           progress: Progress | None = None) -> str:
+    """The content digest of the tensors in `files` (safetensors shards of `directory`)."""
+    directory = Path(directory)
+    tensors = []      # (name, file, dtype, shape, begin, end)
+    for fname in sorted(set(files)):
+        _, header, data_at = _read_header(directory / fname)
+        size = (directory / fname).stat().st_size
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                begin, end = (int(x) for x in info["data_offsets"])
+                dtype, shape = str(info["dtype"]), [int(s) for s in info["shape"]]
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{directory / fname}: malformed entry for tensor {name!r}") from None
+            if not 0 <= begin <= end or data_at + end > size:
+                raise ValueError(f"{directory / fname}: tensor {name!r} lies outside the file")
+            tensors.append((name, fname, dtype, shape, data_at + begin, data_at + end))
+    tensors.sort()
+    names = [t[0] for t in tensors]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{directory}: a tensor name appears in more than one shard")
+    total = sum(t[5] - t[4] for t in tensors)
+    h = hashlib.sha256(_ALGORITHM.encode())
+    done = 0
+    handles: dict[str, object] = {}
+    try:
+        for name, fname, dtype, shape, begin, end in tensors:
+            meta = json.dumps([name, dtype, shape]).encode()
+            h.update(len(meta).to_bytes(8, "little") + meta + (end - begin).to_bytes(8, "little"))
+            f = handles.get(fname) or handles.setdefault(fname, open(directory / fname, "rb"))
+            f.seek(begin)
+            left = end - begin
+            while left:
+                chunk = f.read(min(_CHUNK, left))
+                if not chunk:
+                    raise ValueError(f"{directory / fname}: truncated while reading tensor {name!r}")
+                h.update(chunk)
+                left -= len(chunk)
+                done += len(chunk)
+                if progress is not None:
+                    progress(done, total)
+    finally:
+        for f in handles.values():
+            f.close()
+    return "sha256:" + h.hexdigest()
+
+
+def _write_record(directory: Path, digest: str, facts: dict) -> None:
+    record = {"format": _RECORD_FORMAT, "algorithm": _ALGORITHM, "weights_id": digest, "files": facts}
+    tmp = directory / (DIGEST_NAME + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, directory / DIGEST_NAME)
+
+
+def record_weights_digest(directory: str | Path, files: Iterable[str],
+                          progress: Progress | None = None) -> str:
+    """Computes the digest of the shards and records it in DIR/weights_digest.json."""
+    directory = Path(directory)
+    files = sorted(set(files))
+    facts = _file_facts(directory, files)
+    digest = compute_weights_digest(directory, files, progress)
+    if _file_facts(directory, files) != facts:
+        raise RuntimeError(f"{directory}: the shards changed while their digest was computed; run again")
+    _write_record(directory, digest, facts)
+    return digest
+
+
+def recorded_weights_digest(directory: str | Path, files: Iterable[str]) -> str | None:
+    """The checkpoint's recorded digest, re-checked cheaply against its shards; recomputed
+    (and re-recorded when the directory is writable) when a shard's size, mtime or header
+    changed since. None when the checkpoint has no record."""
+    directory = Path(directory)
+    path = directory / DIGEST_NAME
+    if not path.is_file():
+        return None
+    files = sorted(set(files))
+    try:
+        record = json.loads(path.read_text())
+        ok = (record.get("format") == _RECORD_FORMAT and record.get("algorithm") == _ALGORITHM
+              and isinstance(record.get("weights_id"), str))
+    except (OSError, ValueError, AttributeError):
+        ok = False
+    if ok and record.get("files") == _file_facts(directory, files):
+        return record["weights_id"]
+    warnings.warn(f"{path} does not match the checkpoint's shards (they changed since it was "
+                  f"recorded, or it is unreadable): recomputing the weights digest", stacklevel=3)
+    facts = _file_facts(directory, files)
+    digest = compute_weights_digest(directory, files)
+    try:
+        _write_record(directory, digest, facts)
+    except OSError as e:
+        warnings.warn(f"could not rewrite {path} ({e}); the recomputed digest is used for this "
+                      f"load only", stacklevel=3)
+    return digest
