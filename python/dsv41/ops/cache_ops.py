@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (registers the ops)
+from ..formats import layout
 
-FORMATS = ("nvfp4", "mxfp4", "fp8_swa")
-_FMT_ID = {"nvfp4": 0, "mxfp4": 1, "fp8_swa": 2}
+FORMATS = tuple(layout.BLOCK_FORMATS)
 
 
 def quantize_scatter(fmt: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -42,7 +42,7 @@ def dequant_tricks(fmt: str, codes: torch.Tensor, scales: torch.Tensor) -> torch
     """The kernels' fast bf16 decoders run on their own (a self-check: must equal
     dequantize_<fmt> wherever the value is a normal bf16; see include/dsv41/dequant.h)."""
     return torch.ops.dsv41._dequant_tricks(codes.view(torch.uint8), scales.view(torch.uint8),
-                                           _FMT_ID[fmt])
+                                           layout.BLOCK_FORMATS[fmt].codec_id)
 
 
 def _register_fakes() -> None:
@@ -53,7 +53,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("dsv41::_dequant_tricks")
     def _(codes, scales, fmt):
-        per_code = 1 if fmt == 2 else 2
+        per_code = next(f.values_per_code for f in layout.BLOCK_FORMATS.values()
+                        if f.codec_id == fmt)
         return codes.new_empty((codes.shape[0], codes.shape[1] * per_code), dtype=torch.float32)
 
 
