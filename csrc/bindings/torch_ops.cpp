@@ -258,7 +258,7 @@ void quantize_fp8_v4_into(const at::Tensor& x_in, int64_t rope_dim, double amax_
   TORCH_CHECK(entries.scalar_type() == at::kByte, op, ": entries must be uint8, got ",
               entries.scalar_type());
   TORCH_CHECK(entries.sizes() == at::IntArrayRef(want), op, ": entries has shape ",
-              entries.sizes(), ", expected ", want);
+              entries.sizes(), ", expected ", at::IntArrayRef(want));
   TORCH_CHECK(entries.is_contiguous(), op, ": entries must be contiguous");
   TORCH_CHECK(entries.device() == x_in.device(), op, ": x on ", x_in.device(),
               " but entries on ", entries.device());
