@@ -1,5 +1,6 @@
 """Codec throughput: the dsv41 ops against the torch reference, and on a GPU against the
-device's own copy bandwidth, all measured in the same run.
+device's own copy bandwidth, all measured in the same run. Codecs: NVFP4, MXFP4, FP8 SWA
+and the FP8 V4 main-KV entry (rope dims: 64, the V4-Flash split, when the dim allows it).
 
     python bench/bench_codecs.py                      # CPU op vs reference, JSON to stdout
     python bench/bench_codecs.py --json out.json      # also write the results
@@ -28,14 +29,37 @@ import dsv41  # noqa: E402
 from _kernel_bench import time_cuda  # noqa: E402  (bench/ is on sys.path when run as a script)
 from dsv41 import formats  # noqa: E402
 
-CODECS = ("nvfp4", "mxfp4", "fp8_swa")
+CODECS = ("nvfp4", "mxfp4", "fp8_swa", "fp8_v4")
+V4_ROPE_DIM = 64  # DeepSeek-V4-Flash's RoPE dims; the rest of the vector is FP8
 
 
-def _quant(name):
+def v4_rope_dim(dim: int) -> int | None:
+    """The RoPE split the FP8 V4 rows use at this dim (None: the dim does not fit it)."""
+    for rope in (V4_ROPE_DIM, 0):
+        if dim > rope and (dim - rope) % formats.layout.FP8_V4_TILE == 0:
+            return rope
+    return None
+
+
+def codecs_for(dim: int) -> tuple[str, ...]:
+    return tuple(c for c in CODECS if c != "fp8_v4" or v4_rope_dim(dim) is not None)
+
+
+def _quant(name, dim):
+    """quantize(x, reference=False) -> the stored tensors, as a tuple for every codec."""
+    if name == "fp8_v4":
+        rope = v4_rope_dim(dim)
+        return lambda x, reference=False: (formats.quantize_fp8_v4(x, rope_dim=rope,
+                                                                   reference=reference),)
     return getattr(formats, f"quantize_{name}")
 
 
-def _dequant(name):
+def _dequant(name, dim):
+    """dequantize(*stored, reference=False) -> float32 values."""
+    if name == "fp8_v4":
+        rope = v4_rope_dim(dim)
+        return lambda e, reference=False: formats.dequantize_fp8_v4(
+            e, head_dim=dim, rope_dim=rope, reference=reference)
     return getattr(formats, f"dequantize_{name}")
 
 
@@ -53,11 +77,13 @@ def time_fn(fn, device: str, repeat: int, warmup: int = 2) -> float:
     return statistics.median(samples)
 
 
-def moved_bytes(name: str, numel: int) -> dict[str, int]:
+def moved_bytes(name: str, rows: int, dim: int) -> dict[str, int]:
     """Bytes a codec must read and write at least: float32 values and the stored form."""
-    stored = {"nvfp4": formats.nvfp4_bytes, "mxfp4": formats.mxfp4_bytes,
-              "fp8_swa": formats.fp8_swa_bytes}[name](numel)
-    return {"quantize": 4 * numel + stored, "dequantize": stored + 4 * numel}
+    if name == "fp8_v4":
+        stored = rows * formats.layout.fp8_v4_layout(dim, v4_rope_dim(dim)).entry_bytes
+    else:
+        stored = rows * formats.layout.BLOCK_FORMATS[name].bytes(dim)
+    return {"quantize": 4 * rows * dim + stored, "dequantize": stored + 4 * rows * dim}
 
 
 def same_bits(a, b) -> bool:
@@ -68,18 +94,18 @@ def same_bits(a, b) -> bool:
 def bench_cpu(rows: int, dim: int, repeat: int, refcheck: bool) -> list[dict]:
     x = torch.randn(rows, dim, generator=torch.Generator().manual_seed(0))
     out = []
-    for name in CODECS:
-        q, dq = _quant(name), _dequant(name)
-        codes, scales = q(x)
+    for name in codecs_for(dim):
+        q, dq = _quant(name, dim), _dequant(name, dim)
+        stored = q(x)
         if refcheck:
-            assert same_bits((codes, scales), q(x, reference=True)), f"{name}: op != reference"
+            assert same_bits(stored, q(x, reference=True)), f"{name}: op != reference"
         for op, fast, ref in (
             ("quantize", lambda: q(x), lambda: q(x, reference=True)),
-            ("dequantize", lambda: dq(codes, scales), lambda: dq(codes, scales, reference=True)),
+            ("dequantize", lambda: dq(*stored), lambda: dq(*stored, reference=True)),
         ):
             t_fast = time_fn(fast, "cpu", repeat)
             t_ref = time_fn(ref, "cpu", max(1, repeat // 3))
-            nbytes = moved_bytes(name, x.numel())[op]
+            nbytes = moved_bytes(name, rows, dim)[op]
             row = {"device": "cpu", "codec": name, "op": op, "values": x.numel(),
                    "op_s": t_fast, "reference_s": t_ref, "speedup_vs_reference": t_ref / t_fast,
                    "op_GBps": nbytes / t_fast / 1e9}
@@ -92,13 +118,13 @@ def bench_cpu(rows: int, dim: int, repeat: int, refcheck: bool) -> list[dict]:
 def bench_cuda(rows: int, dim: int, repeat: int, refcheck: bool) -> list[dict]:
     x = torch.randn(rows, dim, device="cuda")
     out = []
-    for name in CODECS:
-        q, dq = _quant(name), _dequant(name)
-        codes, scales = q(x)
+    for name in codecs_for(dim):
+        q, dq = _quant(name, dim), _dequant(name, dim)
+        stored = q(x)
         if refcheck:
-            assert same_bits((codes, scales), q(x.cpu())), f"{name}: CUDA != CPU op"
-        for op, fn in (("quantize", lambda: q(x)), ("dequantize", lambda: dq(codes, scales))):
-            nbytes = moved_bytes(name, x.numel())[op]
+            assert same_bits(stored, q(x.cpu())), f"{name}: CUDA != CPU op"
+        for op, fn in (("quantize", lambda: q(x)), ("dequantize", lambda: dq(*stored))):
+            nbytes = moved_bytes(name, rows, dim)[op]
             # Baseline: a device-to-device copy moving the same number of bytes (read + write).
             buf = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
             dst = torch.empty_like(buf)

@@ -16,6 +16,6 @@ def test_bench_codecs_smoke(tmp_path):
     report = json.loads(out.read_text())
     rows = report["results"]
     assert {(r["codec"], r["op"]) for r in rows} == {
-        (c, op) for c in ("nvfp4", "mxfp4", "fp8_swa") for op in ("quantize", "dequantize")}
+        (c, op) for c in ("nvfp4", "mxfp4", "fp8_swa", "fp8_v4") for op in ("quantize", "dequantize")}
     assert all(r["op_s"] > 0 and r["reference_s"] > 0 and r["values"] == 64 * 512 for r in rows)
     assert report["build"]["torch_version"]

@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <string>
 #include <tuple>
 
@@ -193,6 +194,109 @@ DSV41_CODEC_OPS(mxfp4, kMxfp4)
 DSV41_CODEC_OPS(fp8_swa, kFp8Swa)
 #undef DSV41_CODEC_OPS
 
+// ---- FP8 V4 main KV (packed entries, formats.h) --------------------------------------
+
+// The no-RoPE / RoPE split of a head_dim, after checking the format can hold it.
+Fp8V4Shape fp8_v4_shape(int64_t head_dim, int64_t rope_dim, const char* op) {
+  TORCH_CHECK(rope_dim >= 0 && rope_dim < head_dim, op, ": rope_dim must be in [0, head_dim=",
+              head_dim, "), got ", rope_dim);
+  const int64_t nope = head_dim - rope_dim;
+  TORCH_CHECK(nope % fmt::kFp8V4Tile == 0, op, ": the no-RoPE dims (head_dim ", head_dim,
+              " - rope_dim ", rope_dim, " = ", nope, ") must be a multiple of the ",
+              fmt::kFp8V4Tile, "-value scale tile");
+  TORCH_CHECK(head_dim <= (1 << 24), op, ": head_dim ", head_dim, " is too large");
+  return {static_cast<int>(nope), static_cast<int>(rope_dim)};
+}
+
+Fp8V4Shape check_fp8_v4_input(const at::Tensor& x, int64_t rope_dim, double floor,
+                              const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension");
+  TORCH_CHECK(std::isfinite(floor) && floor >= 0, op,
+              ": amax_floor must be finite and >= 0, got ", floor);
+  return fp8_v4_shape(x.size(-1), rope_dim, op);
+}
+
+void run_fp8_v4_quantize(const at::Tensor& x, Fp8V4Shape shape, double floor, at::Tensor& out,
+                         const char* op) {
+  const int64_t n = x.numel() / (shape.nope + shape.rope);
+  const float* xp = x.const_data_ptr<float>();
+  auto* op_ = static_cast<uint8_t*>(out.data_ptr());
+  const float f = static_cast<float>(floor);
+  if (x.is_cuda()) {
+#ifdef DSV41_WITH_CUDA
+    c10::cuda::CUDAGuard guard(x.device());
+    check_cuda(cuda::fp8_v4_quantize(xp, n, shape, f, op_,
+                                     c10::cuda::getCurrentCUDAStream().stream()),
+               op);
+    return;
+#else
+    TORCH_CHECK(false, op, ": dsv41 was built without CUDA");
+#endif
+  }
+  const int64_t in_stride = shape.nope + shape.rope;
+  const int64_t out_stride = fmt::fp8_v4_entry_bytes(shape.nope, shape.rope);
+  at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
+    cpu::fp8_v4_quantize(xp + b * in_stride, e - b, shape, f, op_ + b * out_stride);
+  });
+}
+
+at::Tensor quantize_fp8_v4(const at::Tensor& x_in, int64_t rope_dim, double amax_floor) {
+  const Fp8V4Shape shape = check_fp8_v4_input(x_in, rope_dim, amax_floor, "quantize_fp8_v4");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty(with_last(x.sizes(), fmt::fp8_v4_entry_bytes(shape.nope, shape.rope)),
+                             x.options().dtype(at::kByte));
+  run_fp8_v4_quantize(x, shape, amax_floor, out, "quantize_fp8_v4");
+  return out;
+}
+
+void quantize_fp8_v4_into(const at::Tensor& x_in, int64_t rope_dim, double amax_floor,
+                          at::Tensor entries) {
+  const char* op = "quantize_fp8_v4_into";
+  const Fp8V4Shape shape = check_fp8_v4_input(x_in, rope_dim, amax_floor, op);
+  const auto want = with_last(x_in.sizes(), fmt::fp8_v4_entry_bytes(shape.nope, shape.rope));
+  TORCH_CHECK(entries.scalar_type() == at::kByte, op, ": entries must be uint8, got ",
+              entries.scalar_type());
+  TORCH_CHECK(entries.sizes() == at::IntArrayRef(want), op, ": entries has shape ",
+              entries.sizes(), ", expected ", at::IntArrayRef(want));
+  TORCH_CHECK(entries.is_contiguous(), op, ": entries must be contiguous");
+  TORCH_CHECK(entries.device() == x_in.device(), op, ": x on ", x_in.device(),
+              " but entries on ", entries.device());
+  const at::Tensor x = x_in.contiguous();
+  run_fp8_v4_quantize(x, shape, amax_floor, entries, op);
+}
+
+at::Tensor dequantize_fp8_v4(const at::Tensor& entries_in, int64_t head_dim, int64_t rope_dim) {
+  const char* op = "dequantize_fp8_v4";
+  const Fp8V4Shape shape = fp8_v4_shape(head_dim, rope_dim, op);
+  const int64_t entry_bytes = fmt::fp8_v4_entry_bytes(shape.nope, shape.rope);
+  TORCH_CHECK(entries_in.scalar_type() == at::kByte, op, ": entries must be uint8, got ",
+              entries_in.scalar_type());
+  TORCH_CHECK(entries_in.dim() >= 1 && entries_in.size(-1) == entry_bytes, op, ": entries ",
+              entries_in.sizes(), " must have a last dimension of ", entry_bytes,
+              " bytes (head_dim ", head_dim, ", rope_dim ", rope_dim, ")");
+  const at::Tensor entries = entries_in.contiguous();
+  at::Tensor y = at::empty(with_last(entries.sizes(), head_dim), entries.options().dtype(at::kFloat));
+  const int64_t n = entries.numel() / entry_bytes;
+  const auto* ip = static_cast<const uint8_t*>(entries.const_data_ptr());
+  float* yp = y.data_ptr<float>();
+  if (entries.is_cuda()) {
+#ifdef DSV41_WITH_CUDA
+    c10::cuda::CUDAGuard guard(entries.device());
+    check_cuda(cuda::fp8_v4_dequantize(ip, n, shape, yp,
+                                       c10::cuda::getCurrentCUDAStream().stream()),
+               op);
+    return y;
+#else
+    TORCH_CHECK(false, op, ": dsv41 was built without CUDA");
+#endif
+  }
+  at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
+    cpu::fp8_v4_dequantize(ip + b * entry_bytes, e - b, shape, yp + b * head_dim);
+  });
+  return y;
+}
+
 }  // namespace
 }  // namespace dsv41
 
@@ -206,7 +310,15 @@ TORCH_LIBRARY(dsv41, m) {
   DSV41_DEF_CODEC_OPS(m, nvfp4)
   DSV41_DEF_CODEC_OPS(m, mxfp4)
   DSV41_DEF_CODEC_OPS(m, fp8_swa)
+  m.def("quantize_fp8_v4(Tensor x, int rope_dim, float amax_floor) -> Tensor");
+  m.def("quantize_fp8_v4_into(Tensor x, int rope_dim, float amax_floor, Tensor(a!) entries) -> ()");
+  m.def("dequantize_fp8_v4(Tensor entries, int head_dim, int rope_dim) -> Tensor");
 }
+
+#define DSV41_IMPL_FP8_V4_OPS(m)                                      \
+  m.impl("quantize_fp8_v4", &dsv41::quantize_fp8_v4);                 \
+  m.impl("quantize_fp8_v4_into", &dsv41::quantize_fp8_v4_into);       \
+  m.impl("dequantize_fp8_v4", &dsv41::dequantize_fp8_v4);
 
 #define DSV41_IMPL_CODEC_OPS(m, NAME)                               \
   m.impl("quantize_" #NAME, &dsv41::quantize_##NAME);               \
@@ -217,6 +329,7 @@ TORCH_LIBRARY_IMPL(dsv41, CPU, m) {
   DSV41_IMPL_CODEC_OPS(m, nvfp4)
   DSV41_IMPL_CODEC_OPS(m, mxfp4)
   DSV41_IMPL_CODEC_OPS(m, fp8_swa)
+  DSV41_IMPL_FP8_V4_OPS(m)
 }
 
 #ifdef DSV41_WITH_CUDA
@@ -224,5 +337,6 @@ TORCH_LIBRARY_IMPL(dsv41, CUDA, m) {
   DSV41_IMPL_CODEC_OPS(m, nvfp4)
   DSV41_IMPL_CODEC_OPS(m, mxfp4)
   DSV41_IMPL_CODEC_OPS(m, fp8_swa)
+  DSV41_IMPL_FP8_V4_OPS(m)
 }
 #endif

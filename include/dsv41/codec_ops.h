@@ -23,7 +23,18 @@ DSV41_HD constexpr int codec_code_bytes(Codec c) {
   return c == Codec::kFp8Swa ? codec_block(c) : codec_block(c) / 2;
 }
 
+// FP8 V4 main-KV entries (formats.h): x holds n_entries rows of nope + rope float32
+// values, out n_entries rows of fp8_v4_entry_bytes(nope, rope) bytes. nope is a multiple
+// of 64; `floor` is the amax floor of the scale rule (fmt::kFp8V4AmaxFloor for V4).
+struct Fp8V4Shape {
+  int nope;
+  int rope;
+};
+
 namespace cpu {
+void fp8_v4_quantize(const float* x, int64_t n_entries, Fp8V4Shape shape, float floor,
+                     uint8_t* out);
+void fp8_v4_dequantize(const uint8_t* entries, int64_t n_entries, Fp8V4Shape shape, float* y);
 void quantize(Codec codec, const float* x, int64_t n_blocks, uint8_t* codes, uint8_t* scales);
 void dequantize(Codec codec, const uint8_t* codes, const uint8_t* scales, int64_t n_blocks,
                 float* y);
@@ -31,6 +42,10 @@ void dequantize(Codec codec, const uint8_t* codes, const uint8_t* scales, int64_
 
 namespace cuda {
 // `stream` is a cudaStream_t; kept as void* so this header needs no CUDA headers.
+int fp8_v4_quantize(const float* x, int64_t n_entries, Fp8V4Shape shape, float floor,
+                    uint8_t* out, void* stream);
+int fp8_v4_dequantize(const uint8_t* entries, int64_t n_entries, Fp8V4Shape shape, float* y,
+                      void* stream);
 int quantize(Codec codec, const float* x, int64_t n_blocks, uint8_t* codes, uint8_t* scales,
              void* stream);
 int dequantize(Codec codec, const uint8_t* codes, const uint8_t* scales, int64_t n_blocks,

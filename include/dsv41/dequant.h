@@ -49,15 +49,9 @@ DSV41_HD constexpr int perm8_pos(int d) { return 2 * (d & 3) + (d >> 2); }
 
 // ---- bf16 helpers ----------------------------------------------------------------------
 
-DSV41_HD float bf16_to_float(uint16_t h) { return fmt::bits_float(static_cast<uint32_t>(h) << 16); }
-
-// Round-to-nearest-even float -> bf16 bits (NaN stays a quiet NaN of the same sign).
-DSV41_HD uint16_t float_to_bf16_rne(float f) {
-  uint32_t u = fmt::float_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+// The scalar conversions are the formats' own (formats.h), so one RNE rule exists.
+using fmt::bf16_to_float;
+using fmt::float_to_bf16_rne;
 
 DSV41_HD uint32_t pack_bf16x2(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);

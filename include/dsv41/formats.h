@@ -9,6 +9,9 @@
 //   NVFP4   (main global KV):  E2M1 codes, one E4M3 scale per 16 values, no global scale.
 //   MXFP4   (indexer keys/q):  E2M1 codes, one UE8M0 scale per 32 values.
 //   FP8 SWA (SWA KV):          E4M3 values, one UE8M0 scale per 32 values.
+//   FP8 V4  (DeepSeek-V4 main KV, FlashMLA "MODEL1" FP8 sparse entry): one packed record
+//            per entry, E4M3 no-RoPE dims with one UE8M0 scale per 64, bf16 RoPE dims
+//            (rules in its section below).
 // Packing: two E2M1 codes per byte, element 2k in the low nibble of byte k; sign is bit 3
 // of each nibble. Scales are separate arrays, one per block, in element order.
 //
@@ -50,6 +53,8 @@ constexpr int kNvfp4Block = 16;
 constexpr int kMxfp4Block = 32;
 constexpr int kFp8SwaBlock = 32;
 
+constexpr int kFp8V4Tile = 64;  // no-RoPE values per UE8M0 scale in the V4 entry
+
 constexpr float kE2M1Max = 6.0f;
 constexpr float kE4M3Max = 448.0f;
 constexpr uint8_t kE4M3NaN = 0x7F;
@@ -77,6 +82,19 @@ DSV41_HD float bits_float(uint32_t u) {
 }
 
 DSV41_HD bool is_finite(float x) { return (float_bits(x) & 0x7F800000u) != 0x7F800000u; }
+
+// ---- bf16 -----------------------------------------------------------------------------
+
+DSV41_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+
+// Round-to-nearest-even float -> bf16 bits (NaN stays a quiet NaN of the same sign; a
+// finite value past the largest bf16 rounds to +-Inf, as RNE does).
+DSV41_HD uint16_t float_to_bf16_rne(float f) {
+  uint32_t u = float_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
 
 // 2^(e - 127) for a UE8M0 code e in [0, 254]; e == 0 gives the subnormal 2^-127.
 DSV41_HD float ue8m0_to_float(uint8_t e) {
@@ -275,6 +293,86 @@ DSV41_HD void fp8_swa_decode_block(const uint8_t* values, uint8_t scale, float* 
   const float s = ue8m0_to_float(scale);
   DSV41_UNROLL
   for (int i = 0; i < kFp8SwaBlock; ++i) y[i] = e4m3_decode(values[i]) * s;
+}
+
+// ---- FP8 V4 main KV ---------------------------------------------------------------------
+// DeepSeek-V4's main-KV entry (FlashMLA's MODEL1_FP8Sparse, per token): an entry of
+// head_dim = nope + rope float32 values (no-RoPE dims first, RoPE dims last) is stored as
+// fp8_v4_entry_bytes(nope, rope) bytes, in this order:
+//   [0, nope)                      E4M3 codes of the nope dims, tile t = dims [64t, 64t+64)
+//   [nope, nope + 2 rope)          the rope dims as bf16, little-endian, RNE
+//   [nope + 2 rope, + nope/64)     one UE8M0 scale per tile, tile order
+//   then zero bytes up to a multiple of 8 (V4-Flash: 448 + 128 + 7 + 1 pad = 584).
+// Scale of a tile (DeepSeek-V4 inference `act_quant(..., 64, scale_fmt="ue8m0")`):
+//   s = the smallest power of two >= fl32(max(amax, floor) * fl32(1/448)); DeepSeek uses
+//   floor = 1e-4 (dsv41's default, smallest scale 2^-22); floor = 0 removes the floor
+//   (smallest scale 2^-127, as in FP8 SWA). For every normal amax, fl32(amax * fl32(1/448))
+//   and fl32(amax / 448) have the same power-of-two ceiling (checked over all 2^23
+//   significands), so the multiply only matters below 2^-126 * 448. Element: E4M3(x / s) saturated to +-448 (DeepSeek clamps to
+//   +-448 then casts with RNE: the same code), computed as x * 2^-e like FP8 SWA.
+// Non-finite input: a tile with NaN/Inf is poisoned like every other block (scale 0xFF,
+// codes 0). A RoPE dim is its own value: +-Inf stays +-Inf and any NaN is stored as the
+// canonical bf16 NaN 0x7FC0, so the bits never depend on a NaN's payload.
+
+constexpr float kFp8V4AmaxFloor = 1e-4f;
+constexpr float kE4M3MaxInv = 1.0f / 448.0f;  // fl32(1/448), as DeepSeek's kernel multiplies
+constexpr uint16_t kBf16NaN = 0x7FC0;
+
+DSV41_HD constexpr int fp8_v4_tiles(int nope) { return nope / kFp8V4Tile; }
+DSV41_HD constexpr int fp8_v4_scale_offset(int nope, int rope) { return nope + 2 * rope; }
+DSV41_HD constexpr int fp8_v4_entry_bytes(int nope, int rope) {
+  return (fp8_v4_scale_offset(nope, rope) + fp8_v4_tiles(nope) + 7) / 8 * 8;
+}
+
+DSV41_HD uint8_t fp8_v4_scale_code(float amax, bool finite, float floor) {
+  return finite ? ue8m0_ceil_pow2(fmaxf(amax, floor) * kE4M3MaxInv) : kUE8M0NaN;
+}
+
+// The element rule is FP8 SWA's (E4M3 of x times the exact reciprocal of the scale).
+DSV41_HD uint8_t fp8_v4_encode_elem(float x, uint8_t scale_code) {
+  return fp8_swa_encode_elem(x, scale_code);
+}
+
+DSV41_HD uint16_t fp8_v4_rope_encode(float x) {
+  return (float_bits(x) & 0x7FFFFFFFu) > 0x7F800000u ? kBf16NaN : float_to_bf16_rne(x);
+}
+
+// One tile: 64 values -> 64 E4M3 bytes + 1 UE8M0 scale.
+DSV41_HD void fp8_v4_encode_tile(const float* x, float floor, uint8_t* values, uint8_t* scale) {
+  bool finite;
+  const float amax = block_amax<kFp8V4Tile>(x, &finite);
+  const uint8_t s = fp8_v4_scale_code(amax, finite, floor);
+  *scale = s;
+  DSV41_UNROLL
+  for (int i = 0; i < kFp8V4Tile; ++i) values[i] = fp8_v4_encode_elem(x[i], s);
+}
+
+// One entry: nope + rope values -> fp8_v4_entry_bytes(nope, rope) bytes (pad included).
+DSV41_HD void fp8_v4_encode_entry(const float* x, int nope, int rope, float floor,
+                                  uint8_t* out) {
+  const int tiles = fp8_v4_tiles(nope), scale_off = fp8_v4_scale_offset(nope, rope);
+  for (int t = 0; t < tiles; ++t)
+    fp8_v4_encode_tile(x + t * kFp8V4Tile, floor, out + t * kFp8V4Tile, out + scale_off + t);
+  for (int i = 0; i < rope; ++i) {
+    const uint16_t h = fp8_v4_rope_encode(x[nope + i]);
+    out[nope + 2 * i] = static_cast<uint8_t>(h & 0xFF);
+    out[nope + 2 * i + 1] = static_cast<uint8_t>(h >> 8);
+  }
+  for (int b = scale_off + tiles; b < fp8_v4_entry_bytes(nope, rope); ++b) out[b] = 0;
+}
+
+// Decode: E4M3 value times the scale (exact: a 4-bit significand times a power of two,
+// so a bf16 product as FlashMLA forms it has the same value), bf16 RoPE dims widened.
+DSV41_HD void fp8_v4_decode_entry(const uint8_t* in, int nope, int rope, float* y) {
+  const int tiles = fp8_v4_tiles(nope), scale_off = fp8_v4_scale_offset(nope, rope);
+  for (int t = 0; t < tiles; ++t) {
+    const float s = ue8m0_to_float(in[scale_off + t]);
+    DSV41_UNROLL
+    for (int i = 0; i < kFp8V4Tile; ++i)
+      y[t * kFp8V4Tile + i] = e4m3_decode(in[t * kFp8V4Tile + i]) * s;
+  }
+  for (int i = 0; i < rope; ++i)
+    y[nope + i] = bf16_to_float(static_cast<uint16_t>(in[nope + 2 * i] | (in[nope + 2 * i + 1] << 8)));
 }
 
 }  // namespace fmt

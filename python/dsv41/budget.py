@@ -33,10 +33,10 @@ _COMPRESSOR_STATE_ITEM_BYTES = 4
 
 
 def main_entry_bytes(config: ModelConfig) -> int:
-    """Bytes of one stored main-KV entry (one compressed token of one owning layer)."""
-    if config.main_kv_format == "nvfp4":
-        return layout.nvfp4_bytes(config.head_dim)
-    return layout.fp8_v4_main_bytes(config.nope_head_dim, config.rope_head_dim)
+    """Bytes of one stored main-KV entry (one compressed token of one owning layer): for
+    V4's fp8_v4 the packed entry the codec writes (584 B at head_dim 512, rope 64)."""
+    return layout.main_kv_entry_bytes(config.main_kv_format, config.head_dim,
+                                      config.rope_head_dim)
 
 
 def index_key_bytes(config: ModelConfig) -> int:

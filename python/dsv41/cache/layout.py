@@ -38,8 +38,8 @@ __all__ = ["PAYLOAD_FORMAT_VERSION", "DEFAULT_BLOCK_TOKENS", "KINDS", "Segment",
 PAYLOAD_FORMAT_VERSION = 1
 DEFAULT_BLOCK_TOKENS = 64
 KINDS = ("main_codes", "main_scales", "index_codes", "index_scales")
-_DTYPES = {"main_codes": torch.uint8, "main_scales": torch.float8_e4m3fn,
-           "index_codes": torch.uint8, "index_scales": torch.uint8}
+_DTYPES = {"main_codes": fmt.NVFP4.code_dtype, "main_scales": fmt.NVFP4.scale_dtype,
+           "index_codes": fmt.MXFP4.code_dtype, "index_scales": fmt.MXFP4.scale_dtype}
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,10 @@ class BlockLayout:
         main_w = fmt.nvfp4_bytes(config.head_dim)
         idx_w = fmt.mxfp4_bytes(config.index_head_dim)
         assert main_w == main_entry_bytes(config) and idx_w == index_key_bytes(config)
-        widths = {"main_codes": config.head_dim // 2, "main_scales": config.head_dim // fmt.NVFP4_BLOCK,
-                  "index_codes": config.index_head_dim // 2,
-                  "index_scales": config.index_head_dim // fmt.MXFP4_BLOCK}
+        (main_c, main_s), (idx_c, idx_s) = (fmt.NVFP4.row_shapes(config.head_dim),
+                                            fmt.MXFP4.row_shapes(config.index_head_dim))
+        widths = {"main_codes": main_c, "main_scales": main_s, "index_codes": idx_c,
+                  "index_scales": idx_s}
         segments: list[Segment] = []
         offset = 0
         for p in config.layer_plan():

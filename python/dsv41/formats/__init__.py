@@ -1,4 +1,5 @@
-"""The stored KV formats: NVFP4 main KV, MXFP4 indexer keys, FP8 SWA KV (SPEC section 3).
+"""The stored KV formats: NVFP4 main KV, MXFP4 indexer keys, FP8 SWA KV (SPEC section 3),
+and DeepSeek-V4's FP8 main-KV entry (FlashMLA's MODEL1 FP8 sparse layout).
 
 Each function checks its arguments, then runs the dsv41 torch op: the C++ CPU loop for a
 CPU tensor, the CUDA kernel for a CUDA tensor. `reference=True` runs the independent
@@ -11,6 +12,9 @@ bits. See include/dsv41/formats.h for the rounding, saturation, zero and NaN rul
     codes: uint8 [..., D/2]   scales: uint8 UE8M0 exponents [..., D/32]
     values, scales = quantize_fp8_swa(x)     # D % 32 == 0
     values: float8_e4m3fn [..., D]   scales: uint8 UE8M0 exponents [..., D/32]
+    entries = quantize_fp8_v4(x, rope_dim=64)       # x float32 [..., 512]
+    entries: uint8 [..., 584]   (E4M3 448 | bf16 RoPE 128 | 7 UE8M0 scales | 1 pad)
+    x_hat = dequantize_fp8_v4(entries, head_dim=512, rope_dim=64)
 """
 from __future__ import annotations
 
@@ -19,25 +23,30 @@ import torch
 from .. import profiling
 from . import layout, reference
 from . import reference as _ref  # the parameter `reference` shadows the module name
-from .layout import (FP8_SWA_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, fp8_swa_bytes, mxfp4_bytes,
+from .fp8_v4 import dequantize_fp8_v4, fp8_v4_split, quantize_fp8_v4, quantize_fp8_v4_into
+from .layout import (FP8_SWA_BLOCK, FP8_V4_AMAX_FLOOR, MXFP4_BLOCK, NVFP4_BLOCK, BlockFormat,
+                     Fp8V4Layout, fp8_swa_bytes, fp8_v4_layout, fp8_v4_main_bytes, mxfp4_bytes,
                      nvfp4_bytes)
 
 __all__ = [
     "quantize_nvfp4", "dequantize_nvfp4", "quantize_mxfp4", "dequantize_mxfp4",
     "quantize_fp8_swa", "dequantize_fp8_swa", "quantize_nvfp4_into", "quantize_mxfp4_into",
-    "quantize_fp8_swa_into", "nvfp4_bytes", "mxfp4_bytes", "fp8_swa_bytes", "layout",
-    "reference", "NVFP4_BLOCK", "MXFP4_BLOCK", "FP8_SWA_BLOCK",
+    "quantize_fp8_swa_into", "quantize_fp8_v4", "quantize_fp8_v4_into", "dequantize_fp8_v4",
+    "fp8_v4_split", "nvfp4_bytes", "mxfp4_bytes", "fp8_swa_bytes", "fp8_v4_main_bytes",
+    "fp8_v4_layout", "Fp8V4Layout", "layout", "reference", "NVFP4_BLOCK", "MXFP4_BLOCK",
+    "FP8_SWA_BLOCK", "FP8_V4_AMAX_FLOOR",
 ]
-
-_UE8M0_TYPES = (torch.uint8, torch.float8_e8m0fnu)
 
 
 class _Format:
-    """What the argument checks need to know about one format."""
+    """What the argument checks need to know about one block format (from its layout)."""
 
-    def __init__(self, name, block, values_per_code, code_dtype, scale_dtypes):
-        self.name, self.block, self.values_per_code = name, block, values_per_code
-        self.code_dtype, self.scale_dtypes = code_dtype, scale_dtypes
+    def __init__(self, spec: BlockFormat):
+        self.name, self.block, self.values_per_code = spec.name, spec.block, spec.values_per_code
+        self.code_dtype = spec.code_dtype
+        # UE8M0 scales may also come as torch's float8_e8m0fnu (the same bits).
+        self.scale_dtypes = ((torch.uint8, torch.float8_e8m0fnu)
+                             if spec.scale_dtype == torch.uint8 else (spec.scale_dtype,))
 
     def check_input(self, x: torch.Tensor, op: str) -> None:
         if not isinstance(x, torch.Tensor):
@@ -85,9 +94,9 @@ class _Format:
             raise ValueError(f"{op}: x on {x.device} but codes on {codes.device}")
 
 
-_NVFP4 = _Format("nvfp4", NVFP4_BLOCK, 2, torch.uint8, (torch.float8_e4m3fn,))
-_MXFP4 = _Format("mxfp4", MXFP4_BLOCK, 2, torch.uint8, _UE8M0_TYPES)
-_FP8_SWA = _Format("fp8_swa", FP8_SWA_BLOCK, 1, torch.float8_e4m3fn, _UE8M0_TYPES)
+_NVFP4 = _Format(layout.NVFP4)
+_MXFP4 = _Format(layout.MXFP4)
+_FP8_SWA = _Format(layout.FP8_SWA)
 
 
 def _ops():

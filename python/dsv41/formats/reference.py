@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from .layout import FP8_SWA_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
+from .layout import FP8_SWA_BLOCK, FP8_V4_TILE, MXFP4_BLOCK, NVFP4_BLOCK, Fp8V4Layout
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
 UE8M0_NAN = 0xFF
+BF16_NAN = 0x7FC0  # the canonical NaN a V4 RoPE dim stores
 
 
 def _e4m3_magnitude(code: int) -> float:
@@ -148,3 +149,45 @@ def quantize_fp8_swa(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_fp8_swa(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     v = _blocks(e4m3_decode(values.view(torch.uint8)), FP8_SWA_BLOCK)
     return (v * ue8m0_decode(scales.view(torch.uint8))[..., None]).flatten(-2)
+
+
+# ---- FP8 V4 main-KV entry -----------------------------------------------------------------
+
+def _bf16_bytes(v: torch.Tensor) -> torch.Tensor:
+    """Little-endian bytes [..., 2n] of float32 values rounded to bf16 (torch's RNE
+    conversion); every NaN becomes the canonical 0x7FC0."""
+    h = v.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    h = torch.where(torch.isnan(v), BF16_NAN, h)
+    return torch.stack((h & 0xFF, h >> 8), dim=-1).flatten(-2).to(torch.uint8)
+
+
+def quantize_fp8_v4(x: torch.Tensor, rope_dim: int, amax_floor: float) -> torch.Tensor:
+    """Entries [..., entry_bytes]: E4M3 no-RoPE codes, bf16 RoPE dims, UE8M0 tile scales,
+    zero pad. Tile scale: 2^ceil(log2(fl32(max(amax, floor) * fl32(1/448)))), as
+    DeepSeek-V4's act_quant with a ue8m0 scale format computes it."""
+    lay = Fp8V4Layout(x.shape[-1], rope_dim)
+    x = x.float()
+    xb = _blocks(x[..., :lay.nope_dim], FP8_V4_TILE)
+    amax, finite = _block_amax(xb)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    floored = torch.maximum(amax, torch.tensor(amax_floor, **f32))
+    e = ceil_pow2_exponent(floored * torch.tensor(1 / E4M3_MAX, **f32))  # float32 product
+    q = e4m3_encode(_pow2_scaled(xb, torch.where(finite, e, 127)))
+    q = torch.where(finite[..., None], q, 0).flatten(-2)
+    e = torch.where(finite, e, UE8M0_NAN).to(torch.uint8)
+    out = torch.zeros(*x.shape[:-1], lay.entry_bytes, dtype=torch.uint8, device=x.device)
+    out[..., :lay.rope_offset] = q
+    out[..., lay.rope_offset:lay.scale_offset] = _bf16_bytes(x[..., lay.nope_dim:])
+    out[..., lay.scale_offset:lay.pad_offset] = e
+    return out
+
+
+def dequantize_fp8_v4(entries: torch.Tensor, head_dim: int, rope_dim: int) -> torch.Tensor:
+    lay = Fp8V4Layout(head_dim, rope_dim)
+    v = _blocks(e4m3_decode(entries[..., :lay.rope_offset]), FP8_V4_TILE)
+    s = ue8m0_decode(entries[..., lay.scale_offset:lay.pad_offset])
+    nope = (v * s[..., None]).flatten(-2)
+    b = entries[..., lay.rope_offset:lay.scale_offset].to(torch.int32)
+    h = b[..., 0::2] | (b[..., 1::2] << 8)  # little-endian bf16 bits
+    rope = (h << 16).view(torch.float32)     # bf16 is the top half of a float32
+    return torch.cat((nope, rope), dim=-1)

@@ -33,6 +33,7 @@ import torch
 
 from ..budget import kv_budget
 from ..config import ModelConfig
+from ..formats.layout import FP8_SWA, MXFP4, NVFP4
 
 __all__ = ["RowStore", "SequenceState", "SwaSnapshot", "state_bytes_equal", "state_diff"]
 
@@ -153,16 +154,18 @@ class SequenceState:
         self.swa_scales: dict[int, torch.Tensor] = {}
         for p in c.layer_plan():
             if p.owns_kv:
-                self.main_kv[p.layer] = RowStore(D // 2, torch.uint8, D // 16,
-                                                 torch.float8_e4m3fn, device)
+                self.main_kv[p.layer] = RowStore(NVFP4.code_cols(D), NVFP4.code_dtype,
+                                                 NVFP4.scale_cols(D), NVFP4.scale_dtype, device)
                 if p.compress_ratio > 1:
                     empty = torch.zeros(0, D, dtype=torch.float32, device=device)
                     self.pending[p.layer] = (empty, empty.clone())
             if p.owns_indexer_keys:
-                self.index_keys[p.layer] = RowStore(Di // 2, torch.uint8, Di // 32, torch.uint8,
-                                                    device)
-            self.swa_values[p.layer] = torch.zeros(W, D, dtype=torch.float8_e4m3fn, device=device)
-            self.swa_scales[p.layer] = torch.zeros(W, D // 32, dtype=torch.uint8, device=device)
+                self.index_keys[p.layer] = RowStore(MXFP4.code_cols(Di), MXFP4.code_dtype,
+                                                    MXFP4.scale_cols(Di), MXFP4.scale_dtype, device)
+            self.swa_values[p.layer] = torch.zeros(W, FP8_SWA.code_cols(D), dtype=FP8_SWA.code_dtype,
+                                                   device=device)
+            self.swa_scales[p.layer] = torch.zeros(W, FP8_SWA.scale_cols(D), dtype=FP8_SWA.scale_dtype,
+                                                   device=device)
 
     # ---- views ----------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.layout import FP8_SWA, MXFP4, NVFP4
+
 _UE8M0 = (torch.uint8, torch.float8_e8m0fnu)
 
 
@@ -31,24 +33,26 @@ def check_attention(op, q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales,
                     *, dense: bool):
     _tensor(op, "q", q, (torch.float32,), 3)
     T, H, D = q.shape
-    if D % 32:
-        _fail(op, f"head dim {D} must be a multiple of 32 (FP8 SWA blocks)")
-    _tensor(op, "swa_values", swa_values, (torch.float8_e4m3fn,), 2)
+    if D % FP8_SWA.block:
+        _fail(op, f"head dim {D} must be a multiple of {FP8_SWA.block} (FP8 SWA blocks)")
+    _tensor(op, "swa_values", swa_values, (FP8_SWA.code_dtype,), 2)
     _tensor(op, "swa_scales", swa_scales, _UE8M0, 2)
     _tensor(op, "swa_idx", swa_idx, (torch.int32,), 2)
-    _tensor(op, "kv_codes", kv_codes, (torch.uint8,), 2)
-    _tensor(op, "kv_scales", kv_scales, (torch.float8_e4m3fn,), 2)
+    _tensor(op, "kv_codes", kv_codes, (NVFP4.code_dtype,), 2)
+    _tensor(op, "kv_scales", kv_scales, (NVFP4.scale_dtype,), 2)
     if dense:
         _tensor(op, "kv_visible", kv_sel, (torch.int32, torch.int64), 1)
     else:
         _tensor(op, "kv_idx", kv_sel, (torch.int32,), 2)
     _tensor(op, "sink", sink, (torch.float32,), 1)
-    if tuple(swa_values.shape[1:]) != (D,) or tuple(swa_scales.shape) != (swa_values.shape[0], D // 32):
+    sv, ss = FP8_SWA.row_shapes(D)
+    if tuple(swa_values.shape[1:]) != (sv,) or tuple(swa_scales.shape) != (swa_values.shape[0], ss):
         _fail(op, f"swa_values {tuple(swa_values.shape)} / swa_scales {tuple(swa_scales.shape)} "
-                  f"do not hold FP8 rows of head dim {D} (expected [Ns,{D}] and [Ns,{D // 32}])")
-    if tuple(kv_codes.shape[1:]) != (D // 2,) or tuple(kv_scales.shape) != (kv_codes.shape[0], D // 16):
+                  f"do not hold FP8 rows of head dim {D} (expected [Ns,{sv}] and [Ns,{ss}])")
+    kc, ks = NVFP4.row_shapes(D)
+    if tuple(kv_codes.shape[1:]) != (kc,) or tuple(kv_scales.shape) != (kv_codes.shape[0], ks):
         _fail(op, f"kv_codes {tuple(kv_codes.shape)} / kv_scales {tuple(kv_scales.shape)} do not "
-                  f"hold NVFP4 rows of head dim {D} (expected [Ng,{D // 2}] and [Ng,{D // 16}])")
+                  f"hold NVFP4 rows of head dim {D} (expected [Ng,{kc}] and [Ng,{ks}])")
     if swa_idx.shape[0] != T or kv_sel.shape[0] != T:
         _fail(op, f"swa_idx {tuple(swa_idx.shape)} and kv index {tuple(kv_sel.shape)} must have "
                   f"one row per query (T={T})")
@@ -74,11 +78,13 @@ def check_indexer(op, q_codes, q_scales, weights, k_codes, k_scales, idx=None):
     _tensor(op, "k_codes", k_codes, (torch.uint8,), 2)
     _tensor(op, "k_scales", k_scales, _UE8M0, 2)
     T, Hi, half = q_codes.shape
-    Di = half * 2
-    if Di % 32 or tuple(q_scales.shape) != (T, Hi, Di // 32):
+    Di = half * MXFP4.values_per_code
+    n_scales = MXFP4.scale_cols(Di)
+    if Di % MXFP4.block or tuple(q_scales.shape) != (T, Hi, n_scales):
         _fail(op, f"q_codes {tuple(q_codes.shape)} / q_scales {tuple(q_scales.shape)} do not hold "
-                  f"MXFP4 queries (expected scales [{T},{Hi},{Di // 32}], Di a multiple of 32)")
-    if tuple(k_codes.shape[1:]) != (half,) or tuple(k_scales.shape) != (k_codes.shape[0], Di // 32):
+                  f"MXFP4 queries (expected scales [{T},{Hi},{n_scales}], Di a multiple of "
+                  f"{MXFP4.block})")
+    if tuple(k_codes.shape[1:]) != (half,) or tuple(k_scales.shape) != (k_codes.shape[0], n_scales):
         _fail(op, f"k_codes {tuple(k_codes.shape)} / k_scales {tuple(k_scales.shape)} do not hold "
                   f"MXFP4 keys of dim {Di}")
     if tuple(weights.shape) != (T, Hi):

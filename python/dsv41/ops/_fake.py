@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import torch
 
-# name -> (values per code byte, values per scale, code dtype, scale dtype)
-_CODECS = {
-    "nvfp4": (2, 16, torch.uint8, torch.float8_e4m3fn),
-    "mxfp4": (2, 32, torch.uint8, torch.uint8),
-    "fp8_swa": (1, 32, torch.float8_e4m3fn, torch.uint8),
-}
+from ..formats import layout
 
 
-def _register(name: str, per_code: int, block: int, code_dtype, scale_dtype) -> None:
+def _register(spec: layout.BlockFormat) -> None:
+    name, per_code, block = spec.name, spec.values_per_code, spec.block
+    code_dtype, scale_dtype = spec.code_dtype, spec.scale_dtype
+
     def quantize_fake(x):
         torch._check(x.shape[-1] % block == 0, lambda: f"quantize_{name}: last dim % {block} != 0")
         lead = x.shape[:-1]
@@ -29,8 +27,30 @@ def _register(name: str, per_code: int, block: int, code_dtype, scale_dtype) -> 
     torch.library.register_fake(f"dsv41::dequantize_{name}")(dequantize_fake)
 
 
-for _name, _spec in _CODECS.items():
-    _register(_name, *_spec)
+for _spec in layout.BLOCK_FORMATS.values():
+    _register(_spec)
+
+
+def _register_fp8_v4() -> None:
+    def quantize_fake(x, rope_dim, amax_floor):
+        lay = layout.Fp8V4Layout(int(x.shape[-1]), rope_dim)
+        return x.new_empty((*x.shape[:-1], lay.entry_bytes), dtype=torch.uint8)
+
+    def quantize_into_fake(x, rope_dim, amax_floor, entries):
+        return None
+
+    def dequantize_fake(entries, head_dim, rope_dim):
+        lay = layout.Fp8V4Layout(head_dim, rope_dim)
+        torch._check(entries.shape[-1] == lay.entry_bytes,
+                     lambda: f"dequantize_fp8_v4: entries need {lay.entry_bytes} bytes per row")
+        return entries.new_empty((*entries.shape[:-1], head_dim), dtype=torch.float32)
+
+    torch.library.register_fake("dsv41::quantize_fp8_v4")(quantize_fake)
+    torch.library.register_fake("dsv41::quantize_fp8_v4_into")(quantize_into_fake)
+    torch.library.register_fake("dsv41::dequantize_fp8_v4")(dequantize_fake)
+
+
+_register_fp8_v4()
 
 
 # ---- attention and indexer ops (defined in attention.py) ---------------------------------

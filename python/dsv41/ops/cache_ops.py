@@ -17,9 +17,9 @@ import torch
 
 from .. import _C  # noqa: F401  (registers the ops)
 from .. import profiling
+from ..formats import layout
 
-FORMATS = ("nvfp4", "mxfp4", "fp8_swa")
-_FMT_ID = {"nvfp4": 0, "mxfp4": 1, "fp8_swa": 2}
+FORMATS = tuple(layout.BLOCK_FORMATS)
 
 
 @profiling.op("op.quantize_scatter", lambda fmt, x, *a, **k: {"tokens": x.shape[0]})
@@ -45,7 +45,7 @@ def dequant_tricks(fmt: str, codes: torch.Tensor, scales: torch.Tensor) -> torch
     """The kernels' fast bf16 decoders run on their own (a self-check: must equal
     dequantize_<fmt> wherever the value is a normal bf16; see include/dsv41/dequant.h)."""
     return torch.ops.dsv41._dequant_tricks(codes.view(torch.uint8), scales.view(torch.uint8),
-                                           _FMT_ID[fmt])
+                                           layout.BLOCK_FORMATS[fmt].codec_id)
 
 
 def _register_fakes() -> None:
@@ -56,7 +56,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("dsv41::_dequant_tricks")
     def _(codes, scales, fmt):
-        per_code = 1 if fmt == 2 else 2
+        per_code = next(f.values_per_code for f in layout.BLOCK_FORMATS.values()
+                        if f.codec_id == fmt)
         return codes.new_empty((codes.shape[0], codes.shape[1] * per_code), dtype=torch.float32)
 
 
