@@ -90,7 +90,7 @@ _FP8_SWA = _Format("fp8_swa", FP8_SWA_BLOCK, 1, torch.float8_e4m3fn, _UE8M0_TYPE
 
 
 def _ops():
-    from .. import _C  # noqa: F401  (loading the extension registers torch.ops.dsv41)
+    from .._ext import _C  # noqa: F401  (loading the extension registers torch.ops.dsv41)
     return torch.ops.dsv41
 
 

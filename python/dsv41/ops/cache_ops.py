@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C  # noqa: F401  (registers the ops)
+from .._ext import _C  # noqa: F401  (registers the ops)
 
 FORMATS = ("nvfp4", "mxfp4", "fp8_swa")
 _FMT_ID = {"nvfp4": 0, "mxfp4": 1, "fp8_swa": 2}
