@@ -119,7 +119,7 @@ export DSV41_TEST_TIMEOUT="${DSV41_TEST_TIMEOUT:-120}"
 mkdir -p "$WORK/pytest"
 for f in tests/ops/test_cuda_attention.py tests/ops/test_cuda_selection.py tests/ops/test_cache_ops.py \
          tests/ops/test_dequant_tricks.py tests/formats/test_codecs.py tests/cache/test_gpu.py \
-         tests/ops/test_kernel_wiring.py tests/model/test_cache_writes.py tests/cache/test_global_pool.py; do
+         tests/ops/test_kernel_wiring.py tests/model/test_cache_writes.py tests/cache/test_pool_block_moves.py; do
   [ -f "$f" ] || continue
   name="$(basename "$f" .py)"
   run "pytest_$name" 150 "$PY" -m pytest -q -p no:cacheprovider -rfE --junitxml="$WORK/pytest/$name.xml" "$f"

@@ -50,3 +50,16 @@ def test_report_marks_a_case_that_died_without_a_result(tmp_path):
     assert s["failed_steps"] == ["smoke_attention_mma"] and s["skipped_steps"] == ["bench_copy"]
     assert s["smoke"]["topk"]["ok"] is True
     assert s["smoke"]["attention_mma"]["ok"] is False and "139" in s["smoke"]["attention_mma"]["error"]
+
+
+def test_smoke_cases_list_every_kernel_and_fail_cleanly_without_a_gpu():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
+    listed = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_smoke.py"), "--list"], env=env,
+                            capture_output=True, text=True, timeout=120).stdout.split()
+    assert {"attention_mma", "attention_wgmma", "topk", "indexer_scores", "copy_blocks_copy_engine",
+            "scatter_nvfp4", "codecs_fp8_swa", "crc32c_device"} <= set(listed)
+    if torch.cuda.is_available():
+        return
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_smoke.py"), "topk"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and json.loads(p.stdout) == {"case": "topk", "ok": False, "error": "no CUDA GPU visible"}
