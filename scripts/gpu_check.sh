@@ -128,8 +128,9 @@ done
 # ---- 6. compute-sanitizer on one small attention case and one top-k case ------------------
 san="$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")"
 if [ -x "$san" ] && timeout 20 "$san" --version >"$WORK/sanitizer_version.log" 2>&1; then
-  for tool in memcheck racecheck; do
-    for c in attention_small topk; do
+  # The small wgmma case last: the newest kernel, checked if the deadline leaves time.
+  for c in attention_small topk attention_wgmma_small; do
+    for tool in memcheck racecheck; do
       run "sanitizer_${tool}_$c" 90 "$san" --tool "$tool" --error-exitcode 86 "$PY" scripts/gpu_smoke.py "$c"
     done
   done

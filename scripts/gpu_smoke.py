@@ -199,6 +199,7 @@ CASES = {
     "copy_blocks_copy_engine": lambda: _copy("copy_engine"),
     "dequant_tricks": _dequant_tricks,
     "attention_small": lambda: _attention("", T=1, K=64),
+    "attention_wgmma_small": lambda: _attention("wgmma", T=1, K=64),
     "attention_mma": lambda: _attention(""),
     "attention_wgmma": lambda: _attention("wgmma"),
     "attention_generic": lambda: _attention("generic"),
