@@ -2,7 +2,7 @@
 query): the dsv41 CUDA kernel against the torch path (gather + dequantize + attention in
 bf16) in the same run, as TFLOP/s and bytes/s next to the H200 ceilings.
 
-    python bench/bench_attention.py --device cuda --json out.json
+    python bench/bench_attention.py --device cuda [--impl mma|wgmma|generic] --json out.json
 
 FLOPs per query = 2 (QK^T and PV) x 2 x H x L x D with L = the valid keys; bytes per query =
 the q and out rows (fp32), lse, the index rows and the stored keys (528 B per SWA entry, 288 B
@@ -62,19 +62,58 @@ def refcheck() -> dict:
     err = (out.cpu() - ref_out).abs().max().item()
     base = (base_out.cpu() - ref_out).abs().max().item()
     ok = err <= 2 * base + 2e-4 and torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
-    print(f"refcheck: max |out - ref| {err:.2e}, bf16 torch {base:.2e}: {'ok' if ok else 'FAILED'}", file=sys.stderr)
-    if not ok:
-        raise SystemExit("refcheck failed: not timing a wrong kernel")
-    return {"max_abs_err": err, "bf16_torch_max_abs_err": base}
+    print(f"refcheck: max |out - ref| {err:.2e}, bf16 torch {base:.2e}: {'ok' if ok else 'FAILED (timing anyway)'}",
+          file=sys.stderr)
+    return {"ok": ok, "max_abs_err": err, "bf16_torch_max_abs_err": base}
+
+
+def time_batch(T: int, ceil: dict, sets: int = 4) -> dict:
+    """The kernel (CUDA-graph replays) and the torch bf16 path at batch T, rotating over
+    `sets` input sets so that L2 does not hold the keys between calls."""
+    inputs = [make_inputs(T, 1000 + s, Ns=max(256, T * W), Ng=max(8192, 4 * T * K)) for s in range(sets)]
+    cur = [0]
+
+    def kernel():
+        cur[0] = (cur[0] + 1) % sets
+        torch.ops.dsv41.sparse_attention(*inputs[cur[0]])
+
+    def baseline():
+        cur[0] = (cur[0] + 1) % sets
+        torch_bf16_attention(*inputs[cur[0]])
+
+    t_k = time_cuda_graph(kernel, repeat=30, inner=8)
+    t_b = time_cuda(baseline, repeat=10)
+    L = W + K
+    flops = T * 4 * H * L * D
+    nbytes = T * (2 * H * D * 4 + H * 4 + L * 4 + W * (D + D // 32) + K * (D // 2 + D // 16))
+    row = {
+        "T": T, "keys_per_query": L, "kernel_s": t_k, "torch_bf16_s": t_b, "speedup_vs_torch": t_b / t_k,
+        "kernel_TFLOPs": flops / t_k / 1e12, "kernel_GBps": nbytes / t_k / 1e9,
+        "fraction_of_bf16_matmul_measured": flops / t_k / 1e12 / ceil["bf16_matmul_TFLOPs"],
+        "fraction_of_bf16_datasheet": flops / t_k / 1e12 / 989.0,
+        "fraction_of_copy_bandwidth": nbytes / t_k / 1e12 / ceil["copy_TBps"],
+        "floor_s": max(flops / (ceil["bf16_matmul_TFLOPs"] * 1e12), nbytes / (ceil["copy_TBps"] * 1e12)),
+    }
+    row["gap_to_floor"] = t_k / row["floor_s"]
+    print(f"  T={T:4d}  kernel {t_k * 1e6:8.1f} us  {row['kernel_TFLOPs']:6.1f} TFLOP/s  "
+          f"{row['kernel_GBps']:7.1f} GB/s  torch bf16 {t_b * 1e6:8.1f} us  x{row['speedup_vs_torch']:.1f}  "
+          f"gap to floor x{row['gap_to_floor']:.1f}", file=sys.stderr)
+    return row
 
 
 def main(argv=None) -> int:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,2,4,8,16,32,64,128")
+    p.add_argument("--impl", choices=["mma", "wgmma", "generic"], default="mma",
+                   help="which CUDA kernel (sets DSV41_ATTENTION_IMPL; mma is the default kernel)")
     args = p.parse_args(argv)
     if not require_gpu("attention", args):
         return 0
-    import dsv41  # noqa: F401
+    import os
+
+    import dsv41.ops  # noqa: F401
+
+    os.environ["DSV41_ATTENTION_IMPL"] = args.impl  # read by the op at every call
 
     check = refcheck() if args.refcheck else None
     ceil = measured_ceilings()
@@ -83,44 +122,15 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if args.quick:
         batches = [b for b in batches if b in (1, 8, 64)]
-    sets = 4
     rows = []
     for T in batches:
-        inputs = [make_inputs(T, 1000 + s, Ns=max(256, T * W), Ng=max(8192, 4 * T * K)) for s in range(sets)]
-        cur = [0]
-
-        def kernel():
-            cur[0] = (cur[0] + 1) % sets
-            torch.ops.dsv41.sparse_attention(*inputs[cur[0]])
-
-        def baseline():
-            cur[0] = (cur[0] + 1) % sets
-            torch_bf16_attention(*inputs[cur[0]])
-
-        t_k = time_cuda_graph(kernel, repeat=30, inner=8)
-        t_b = time_cuda(baseline, repeat=10)
-        L = W + K
-        flops = T * 4 * H * L * D
-        nbytes = T * (2 * H * D * 4 + H * 4 + L * 4 + W * (D + D // 32) + K * (D // 2 + D // 16))
-        row = {
-            "T": T, "keys_per_query": L, "kernel_s": t_k, "torch_bf16_s": t_b, "speedup_vs_torch": t_b / t_k,
-            "kernel_TFLOPs": flops / t_k / 1e12, "kernel_GBps": nbytes / t_k / 1e9,
-            "fraction_of_bf16_matmul_measured": flops / t_k / 1e12 / ceil["bf16_matmul_TFLOPs"],
-            "fraction_of_bf16_datasheet": flops / t_k / 1e12 / 989.0,
-            "fraction_of_copy_bandwidth": nbytes / t_k / 1e12 / ceil["copy_TBps"],
-            "floor_s": max(flops / (ceil["bf16_matmul_TFLOPs"] * 1e12), nbytes / (ceil["copy_TBps"] * 1e12)),
-        }
-        row["gap_to_floor"] = t_k / row["floor_s"]
-        rows.append(row)
-        print(f"  T={T:4d}  kernel {t_k * 1e6:8.1f} us  {row['kernel_TFLOPs']:6.1f} TFLOP/s  "
-              f"{row['kernel_GBps']:7.1f} GB/s  torch bf16 {t_b * 1e6:8.1f} us  x{row['speedup_vs_torch']:.1f}  "
-              f"gap to floor x{row['gap_to_floor']:.1f}", file=sys.stderr)
-        del inputs
-        torch.cuda.empty_cache()
+        rows.append(time_batch(T, ceil))
+        torch.cuda.empty_cache()  # time_batch's inputs are gone with its frame
     write_report(args.json, report("attention", rows, {
-        "shape": {"H": H, "D": D, "W": W, "K": K}, "refcheck": check, "ceilings_measured": ceil,
-        "target": ">= 300 TFLOP/s at batch >= 64"}))
-    return 0
+        "impl": args.impl, "shape": {"H": H, "D": D, "W": W, "K": K}, "refcheck": check,
+        "ceilings_measured": ceil, "target": ">= 300 TFLOP/s at batch >= 64"}))
+    # A failed refcheck still times (the run is scarce) but the exit code says it failed.
+    return 0 if check is None or check["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -29,7 +29,32 @@ def make_inputs(T: int, N: int, seed: int):
     return (q_codes, q_scales, w, k_codes, k_scales), visible
 
 
+def indexer_error_bound(q_codes, q_scales, w, k_codes, k_scales) -> torch.Tensor:
+    """Per-score bound [T, N] on |kernel - float64 reference| from the kernel's arithmetic.
+
+    The decoded MXFP4 values are exact in bf16 and their products exact in float32, so the
+    only rounding is float32 accumulation: Di-term dot products (tensor-core fp32
+    accumulate), then relu, times the head weight and a sum over Hi heads. The standard
+    bound for n-term float32 sums, gamma_n = n u / (1 - n u) with u = 2^-24, applied to
+    the sums of absolute terms, gives |err| <= gamma_(Di + Hi + 1) * sum_h |w_h| sum_d
+    |q_hd k_d|. The 2x covers the tensor core's truncating (not rounding) accumulation.
+    Unlike a relative error, this does not blow up where the score is near zero: the
+    former check (|ref| clamped at 1e-3, rel err < 1e-4) failed a correct kernel's
+    emulation on 2 of 40 seeds."""
+    from dsv41 import formats
+
+    q = formats.dequantize_mxfp4(q_codes.cpu(), q_scales.cpu()).double().abs()
+    k = formats.dequantize_mxfp4(k_codes.cpu(), k_scales.cpu()).double().abs()
+    mag = torch.einsum("thd,nd->thn", q, k).mul(w.cpu().double().abs()[..., None]).sum(1)
+    n = q.shape[-1] + q.shape[-2] + 1
+    u = 2.0 ** -24
+    return 2 * (n * u / (1 - n * u)) * mag + 1e-30  # the tiny term: an all-zero row has bound 0
+
+
 def refcheck() -> dict:
+    """Top-k exactness and indexer scores within indexer_error_bound. A failure is reported
+    (and the run exits non-zero at the end) but the timings are still taken: a GPU run is
+    too scarce to throw them away, and the two results mean different things."""
     from dsv41.ops import reference
 
     g = torch.Generator().manual_seed(7)
@@ -39,13 +64,14 @@ def refcheck() -> dict:
     exact = torch.equal(got, reference.topk_visible(scores, visible, TOPK))
     idx_args, vis = make_inputs(2, 4096, 3)
     s = torch.ops.dsv41.indexer_scores(*idx_args).cpu()
-    ref = reference.indexer_scores(*[a.cpu() for a in idx_args])
-    err = ((s - ref).abs() / ref.abs().clamp(min=1e-3)).max().item()
-    ok = exact and err < 1e-4
-    print(f"refcheck: top-k exact {exact}, indexer max rel err {err:.1e}: {'ok' if ok else 'FAILED'}", file=sys.stderr)
-    if not ok:
-        raise SystemExit("refcheck failed: not timing a wrong kernel")
-    return {"topk_exact": exact, "indexer_max_rel_err": err}
+    cpu_args = [a.cpu() for a in idx_args]
+    ref = reference.indexer_scores(*cpu_args)
+    excess = ((s.double() - ref.double()).abs() / indexer_error_bound(*cpu_args)).max().item()
+    rel = ((s - ref).abs() / ref.abs().clamp(min=1e-3)).max().item()
+    ok = exact and excess <= 1.0
+    print(f"refcheck: top-k exact {exact}, indexer max |err|/bound {excess:.2f} (max rel err {rel:.1e}): "
+          f"{'ok' if ok else 'FAILED (timing anyway)'}", file=sys.stderr)
+    return {"ok": ok, "topk_exact": exact, "indexer_max_err_over_bound": excess, "indexer_max_rel_err": rel}
 
 
 def main(argv=None) -> int:
@@ -82,7 +108,7 @@ def main(argv=None) -> int:
                   f"both {t_both * 1e6:6.1f} us  torch.topk {t_torch * 1e6:6.1f} us", file=sys.stderr)
     write_report(args.json, report("topk", rows, {"refcheck": check, "k": TOPK, "Hi": HI, "Di": DI,
                                                   "target": "indexer + top-512 <= 20 us at N=65536, T=4"}))
-    return 0
+    return 0 if check is None or check["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -1,94 +1,139 @@
 #!/usr/bin/env bash
-# One call on a GPU machine (with its own torch, nvcc and pytest): build dsv41._C there,
-# run every test (GPU tests included) and every GPU benchmark, and write the results under
-# $OUT (or the folder given as $1). Budget: under 8 minutes on one H200.
+# One call on a GPU machine (its own torch, nvcc and pytest): build dsv41._C, then check and
+# time the CUDA kernels, in order of value, under one deadline. The CPU-only suite is not
+# run (CI runs it).
 #
-#   DSV41_COMMIT=$(git rev-parse --short HEAD) OUT=/some/dir bash scripts/gpu_check.sh
+#   OUT=/some/dir bash scripts/gpu_check.sh        (or: bash scripts/gpu_check.sh DIR)
 #
-# Writes: build.log, pytest.log, pytest.xml, bench_*.json, gpu_check.json (the summary).
+# Writes exactly three files into $OUT (the device tool brings back at most 8):
+#   gpu_check.json          verdict, device, clocks, build, every smoke case, benchmark JSON
+#                           and test outcome inlined (scripts/gpu_check_report.py)
+#   gpu_check_steps.log     what ran, when, with exit codes and the tails of the outputs
+#   gpu_check_logs.tar.gz   every log in full (build, smoke, benchmarks, pytest, sanitizer)
+# Steps: GPU visible? (if not: verdict "no_gpu", exit 2 at once) -> build -> one tiny
+# synchronous smoke call per kernel, each in its own process -> benchmarks top-k, attention
+# (mma, then wgmma), copy, each with its own cap, SM/memory clocks sampled meanwhile -> the
+# GPU test files, each in its own process, with a per-test timeout -> compute-sanitizer
+# memcheck and racecheck on one small attention and one top-k case (if the tool is there).
+# Exit: 0 all passed, 1 something failed, 2 no GPU. Knobs: DSV41_GPU_CHECK_SECONDS (the
+# deadline, default 480), DSV41_PYTHON, DSV41_COMMIT, DSV41_TEST_TIMEOUT (per test, 120 s).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-${OUT:?set OUT or pass a folder}}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
 cd "$ROOT"
 PY="${DSV41_PYTHON:-python3}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/dsv41-gpu-check.XXXXXX")"  # full logs; archived at the end
+STEPS="$OUT/gpu_check_steps.log"
+: >"$STEPS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" DSV41_CUDA=1
+export DSV41_COMMIT="${DSV41_COMMIT:-$(timeout 10 git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+
+deadline=$(( $(date +%s) + ${DSV41_GPU_CHECK_SECONDS:-480} ))
+# Seconds a step may take: at most $1, never past the deadline (keeps 15 s for the report).
+left() { local l=$(( deadline - 15 - $(date +%s) )); [ "$l" -gt "$1" ] && l=$1; echo "$l"; }
+log() { printf '%s %s\n' "$(date -u +%H:%M:%S)" "$*" | tee -a "$STEPS"; }
+# run NAME CAP CMD...: CMD with its output in $WORK/NAME.log and its exit code in
+# $WORK/NAME.rc (124: hit its cap); skipped (rc "skipped") when the deadline is too near.
+run() {
+  local name=$1 cap; cap=$(left "$2"); shift 2
+  if [ "$cap" -lt 5 ]; then echo skipped >"$WORK/$name.rc"; log "skip $name: deadline"; return 1; fi
+  local t0=$SECONDS
+  timeout -k 5 "$cap" "$@" >"$WORK/$name.log" 2>&1
+  local rc=$?
+  echo "$rc" >"$WORK/$name.rc"
+  log "$name rc=$rc in $(( SECONDS - t0 ))s (cap ${cap}s)"
+  [ "$rc" = 0 ] || tail -n 8 "$WORK/$name.log" | sed 's/^/    /' >>"$STEPS"
+  return "$rc"
+}
+
+clock_pid=""
+# On any exit: the report (its exit code becomes the script's), the steps log, the archive.
+finish() {
+  trap - EXIT TERM INT
+  [ -n "$clock_pid" ] && kill "$clock_pid" 2>/dev/null
+  timeout 60 "$PY" "$ROOT/scripts/gpu_check_report.py" "$WORK" "$OUT/gpu_check.json" >>"$STEPS" 2>&1
+  local rc=$?
+  [ -f "$OUT/gpu_check.json" ] || { log "report failed (rc=$rc, see the archive)"; rc=1; }
+  cp "$STEPS" "$WORK/steps.log" 2>/dev/null
+  tar -czf "$OUT/gpu_check_logs.tar.gz" -C "$WORK" . 2>>"$STEPS"
+  rm -rf "$WORK"
+  exit "$rc"
+}
+trap finish EXIT
+trap 'log "stopped by a signal"; exit 1' TERM INT
+
+log "dsv41 gpu_check, commit $DSV41_COMMIT, deadline $(date -u -d "@$deadline" +%H:%M:%S)"
+
+# ---- 1. Is a GPU visible? Without one every GPU test would skip and look green. ----------
+run nvidia_smi 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,clocks.max.sm \
+  --format=csv
+run gpu_visible 60 "$PY" -c "import torch, json; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; \
+print(json.dumps({'torch': torch.__version__, 'torch_cuda': torch.version.cuda, 'devices': n, \
+'name': torch.cuda.get_device_name(0) if n else None}))"
+if ! grep -q '"devices": [1-9]' "$WORK/gpu_visible.log" 2>/dev/null; then
+  echo no_gpu >"$WORK/verdict"
+  log "no CUDA GPU visible to torch: nothing to check (verdict no_gpu)"
+  exit
+fi
+
+# ---- 2. Build ------------------------------------------------------------------------------
 # A toolkit root has both bin/nvcc and include/cuda_runtime.h (an nvcc wrapper on PATH may not).
 if [ -z "${CUDA_HOME:-}" ] || [ ! -f "$CUDA_HOME/include/cuda_runtime.h" ]; then
   for c in /usr/local/cuda "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"; do
     if [ -f "$c/include/cuda_runtime.h" ]; then export CUDA_HOME="$c"; break; fi
   done
 fi
-export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
-
-step() { printf '\n=== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
-# One deadline for the whole script (default 460 s), so it ends inside 8 minutes whatever
-# a step does: each step gets at most what is left.
-deadline=$(( $(date +%s) + ${DSV41_GPU_CHECK_SECONDS:-460} ))
-left() { local l=$(( deadline - $(date +%s) )); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo "$l"; }
-
-step "device"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/nvidia-smi.csv"
-
-step "build"
-t0=$(date +%s)
-timeout "$(left 200)" "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1
-build_rc=$?
-build_s=$(( $(date +%s) - t0 ))
-tail -3 "$OUT/build.log"
-echo "build rc=$build_rc in ${build_s}s"
-
-step "tests"
-test_rc=1
-if [ "$build_rc" = 0 ]; then
-  timeout "$(left 200)" "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" tests 2>&1 | tee "$OUT/pytest.log" | tail -25
-  test_rc=${PIPESTATUS[0]}
+if ! run build 240 "$PY" setup.py build_ext --inplace; then
+  echo build_failed >"$WORK/verdict"
+  exit
 fi
 
-step "benchmarks"
-bench_rc=0
-if [ "$build_rc" = 0 ]; then
-  # Every GPU benchmark driver of the repo; each writes its own JSON.
-  for b in bench/bench_*.py; do
-    name="$(basename "$b" .py)"
-    if "$PY" "$b" --help 2>/dev/null | grep -q -- "--device"; then
-      timeout "$(left 120)" "$PY" "$b" --device cuda --json "$OUT/$name.json" >/dev/null 2>"$OUT/$name.log" || bench_rc=1
-      tail -20 "$OUT/$name.log"
-    fi
+# ---- 3. One tiny synchronous call per kernel, each in its own process --------------------
+mkdir -p "$WORK/smoke"
+for c in $(timeout 60 "$PY" scripts/gpu_smoke.py --list); do
+  run "smoke_$c" 60 "$PY" scripts/gpu_smoke.py "$c" --json "$WORK/smoke/$c.json"
+done
+
+# ---- 4. Kernel benchmarks, each with its own cap, clocks sampled meanwhile ---------------
+(nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu \
+  --format=csv,noheader -lms 500 >"$WORK/clocks.csv" 2>&1) &
+clock_pid=$!
+mkdir -p "$WORK/bench"
+run bench_topk 75 "$PY" bench/bench_topk.py --device cuda --quick --json "$WORK/bench/topk.json"
+run bench_attention_mma 75 "$PY" bench/bench_attention.py --device cuda --quick --impl mma \
+  --json "$WORK/bench/attention_mma.json"
+run bench_attention_wgmma 75 "$PY" bench/bench_attention.py --device cuda --quick --impl wgmma \
+  --json "$WORK/bench/attention_wgmma.json"
+run bench_copy 60 "$PY" bench/bench_copy.py --device cuda --json "$WORK/bench/copy.json"
+kill "$clock_pid" 2>/dev/null
+wait "$clock_pid" 2>/dev/null
+clock_pid=""
+
+# ---- 5. GPU test files, each in its own process; DSV41_TEST_TIMEOUT per test ------------
+# (tests/conftest.py ends a test's process past it, printing every thread's stack)
+export DSV41_TEST_TIMEOUT="${DSV41_TEST_TIMEOUT:-120}"
+mkdir -p "$WORK/pytest"
+for f in tests/ops/test_cuda_attention.py tests/ops/test_cuda_selection.py tests/ops/test_cache_ops.py \
+         tests/ops/test_dequant_tricks.py tests/formats/test_codecs.py tests/cache/test_gpu.py \
+         tests/ops/test_kernel_wiring.py tests/model/test_cache_writes.py tests/cache/test_pool_block_moves.py; do
+  [ -f "$f" ] || continue
+  name="$(basename "$f" .py)"
+  run "pytest_$name" 150 "$PY" -m pytest -q -p no:cacheprovider -rfE --junitxml="$WORK/pytest/$name.xml" "$f"
+done
+
+# ---- 6. compute-sanitizer on one small attention case and one top-k case ------------------
+san="$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")"
+if [ -x "$san" ] && timeout 20 "$san" --version >"$WORK/sanitizer_version.log" 2>&1; then
+  # The small wgmma case last: the newest kernel, checked if the deadline leaves time.
+  for c in attention_small topk attention_wgmma_small; do
+    for tool in memcheck racecheck; do
+      run "sanitizer_${tool}_$c" 90 "$san" --tool "$tool" --error-exitcode 86 "$PY" scripts/gpu_smoke.py "$c"
+    done
   done
+else
+  log "compute-sanitizer not found: skipped"
 fi
-
-step "summary"
-"$PY" - "$OUT" "$build_rc" "$build_s" "$test_rc" "$bench_rc" <<'PYEOF'
-import glob, json, os, sys, datetime
-import xml.etree.ElementTree as ET
-out, build_rc, build_s, test_rc, bench_rc = sys.argv[1], *map(int, sys.argv[2:])
-summary = {
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "commit": os.environ.get("DSV41_COMMIT"),
-    "build": {"rc": build_rc, "seconds": build_s},
-    "tests": {"rc": test_rc},
-    "benchmarks": {"rc": bench_rc, "files": sorted(os.path.basename(p) for p in glob.glob(f"{out}/bench_*.json"))},
-}
-try:
-    import torch
-    summary["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    summary["torch"] = torch.__version__
-except Exception as e:  # the summary must still be written
-    summary["device_error"] = repr(e)
-try:
-    suite = ET.parse(f"{out}/pytest.xml").getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    t = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    t["passed"] = t["tests"] - t["failures"] - t["errors"] - t["skipped"]
-    summary["tests"].update(t)
-    summary["tests"]["failed_cases"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
-                                        if c.find("failure") is not None or c.find("error") is not None]
-except (OSError, ET.ParseError) as e:
-    summary["tests"]["error"] = repr(e)
-with open(f"{out}/gpu_check.json", "w") as f:
-    json.dump(summary, f, indent=2)
-print(json.dumps(summary, indent=2))
-PYEOF
-[ "$build_rc" = 0 ] && [ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -1,3 +1,7 @@
+import faulthandler
+import os
+import sys
+
 import pytest
 import torch
 
@@ -10,3 +14,21 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 def gen():
     """A seeded CPU generator: every test draws its own reproducible random data."""
     return torch.Generator().manual_seed(1234)
+
+
+# DSV41_TEST_TIMEOUT=seconds (scripts/gpu_check.sh sets it): a test that runs longer ends
+# the whole pytest process with every thread's stack on stderr, so a hung kernel cannot eat
+# the GPU run's deadline. gpu_check.sh runs each test file in its own process.
+_TEST_TIMEOUT = float(os.environ.get("DSV41_TEST_TIMEOUT") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _TEST_TIMEOUT > 0:
+        print(f"\n[DSV41_TEST_TIMEOUT={_TEST_TIMEOUT:g}s] {item.nodeid}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback_later(_TEST_TIMEOUT, exit=True)
+    try:
+        yield
+    finally:
+        if _TEST_TIMEOUT > 0:
+            faulthandler.cancel_dump_traceback_later()

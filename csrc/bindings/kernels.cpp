@@ -133,12 +133,18 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(
 
   // Knobs (no code change needed to use the kernels; these are for tests and tuning):
   // DSV41_ATTENTION_SPLITS=n fixes the key splits (0 = automatic; 1 makes every query's
-  // bits independent of the batch size), DSV41_ATTENTION_IMPL=generic picks the fp32 kernel.
+  // bits independent of the batch size), DSV41_ATTENTION_IMPL=generic picks the fp32 kernel,
+  // =wgmma the wgmma kernel (sm_90a; not yet the default: docs/kernels.md), =mma or unset the
+  // mma.sync kernel where it applies.
   const int splits = static_cast<int>(env_int("DSV41_ATTENTION_SPLITS", 0));
   const char* impl = std::getenv("DSV41_ATTENTION_IMPL");
-  const bool generic = impl && std::string(impl) == "generic";
+  const std::string impl_name = impl ? impl : "";
+  TORCH_CHECK(impl_name.empty() || impl_name == "mma" || impl_name == "generic" || impl_name == "wgmma", op,
+              ": DSV41_ATTENTION_IMPL must be mma, wgmma or generic (or unset), got '", impl_name, "'");
+  const int which = impl_name == "generic" ? cuda::kAttentionGeneric
+                    : impl_name == "wgmma" ? cuda::kAttentionWgmma : cuda::kAttentionAuto;
   cuda::AttentionPlan plan;
-  check_launch(cuda::sparse_attention_plan(p, splits, generic, q.get_device(), &plan), op);
+  check_launch(cuda::sparse_attention_plan(p, splits, which, q.get_device(), &plan), op);
   at::Tensor ws;
   if (plan.workspace_floats > 0) ws = at::empty({plan.workspace_floats}, q.options());
   check_launch(cuda::sparse_attention(p, plan, ws.defined() ? ws.data_ptr<float>() : nullptr, current_stream()), op);

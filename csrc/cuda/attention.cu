@@ -73,7 +73,8 @@ const char* tensor_core_blocker(const attn::SparseAttentionParams& p, int device
 }  // namespace
 
 int sparse_attention_plan(const attn::SparseAttentionParams& p, int requested_splits,
-                          bool force_generic, int device, AttentionPlan* plan) {
+                          int impl, int device, AttentionPlan* plan) {
+  const bool force_generic = impl == kAttentionGeneric;
   clear_launch_error();
   if (p.T < 0 || p.H < 0 || p.W < 0 || p.K < 0 || p.D <= 0)
     return launch_fail("sparse_attention: negative size (T=%d H=%d W=%d K=%d D=%d)", p.T, p.H, p.W, p.K, p.D);
@@ -96,6 +97,14 @@ int sparse_attention_plan(const attn::SparseAttentionParams& p, int requested_sp
   if (!out.tensor_cores && p.D > 32 * attn::kGenericMaxDimPerLane)
     return launch_fail("sparse_attention: D=%d: the tensor-core kernel needs D == 512 (%s) and the "
                        "generic kernel D <= %d", p.D, blocker, 32 * attn::kGenericMaxDimPerLane);
+  if (impl == kAttentionWgmma) {
+    if (!out.tensor_cores)
+      return launch_fail("sparse_attention: DSV41_ATTENTION_IMPL=wgmma but the tensor-core kernels cannot "
+                         "take these inputs (%s)", blocker);
+    const char* why = attn::wgmma_unavailable(device);
+    if (why[0]) return launch_fail("sparse_attention: DSV41_ATTENTION_IMPL=wgmma: %s", why);
+    out.wgmma = true;
+  }
   out.num_splits = 1;
   if (out.tensor_cores && p.T > 0 && p.H > 0) {
     const int tiles = (p.W + attn::kTileKeys - 1) / attn::kTileKeys + (p.K + attn::kTileKeys - 1) / attn::kTileKeys;
@@ -130,7 +139,7 @@ int sparse_attention(const attn::SparseAttentionParams& p, const AttentionPlan& 
     a.ws_o = workspace;
     a.ws_lse = workspace + static_cast<int64_t>(p.T) * plan.num_splits * p.H * p.D;
   }
-  cudaError_t e = attn::launch_mma(a, s);
+  cudaError_t e = plan.wgmma ? attn::launch_wgmma(a, s) : attn::launch_mma(a, s);
   if (e != cudaSuccess || plan.num_splits == 1) return static_cast<int>(e);
   return static_cast<int>(attn::launch_combine(a, s));
 }

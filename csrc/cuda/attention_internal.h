@@ -18,6 +18,11 @@ struct KernelArgs {
 // attention_mma.cu: the tensor-core kernel (writes the final output when num_splits == 1,
 // the partials otherwise).
 cudaError_t launch_mma(const KernelArgs& a, cudaStream_t stream);
+// attention_wgmma.cu: the wgmma kernel (sm_90a), same contract as launch_mma.
+cudaError_t launch_wgmma(const KernelArgs& a, cudaStream_t stream);
+// Why the wgmma kernel cannot run on `device` ("" if it can): it needs compute capability
+// 9.0 and sm_90a machine code in this build.
+const char* wgmma_unavailable(int device);
 // attention_combine.cu: merges the partials and applies the sink.
 cudaError_t launch_combine(const KernelArgs& a, cudaStream_t stream);
 // attention_generic.cu: fp32, one warp per (query, head), any H and D % 32 == 0.

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "attention_compact.cuh"
 #include "attention_internal.h"
 #include "dsv41/attention/config.h"
 #include "dsv41/cuda/ptx.h"
@@ -64,33 +65,6 @@ struct Tile {
   int rows;   // valid rows (1..64)
   bool kv;    // NVFP4 global entries (else FP8 SWA)
 };
-
-// Stable compaction of the valid entries of src[0..n) (0 <= v < limit) into dst; returns
-// the count (the same value in every thread). Uses s_warp[8] and two barriers per 256.
-__device__ int compact_indices(const int32_t* __restrict__ src, int n, int64_t limit, int* dst,
-                               int* s_warp) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int base = 0;
-  for (int start = 0; start < n; start += kThreads) {
-    const int i = start + tid;
-    const int v = i < n ? src[i] : -1;
-    const bool ok = v >= 0 && static_cast<int64_t>(v) < limit;
-    const uint32_t bal = __ballot_sync(0xFFFFFFFFu, ok);
-    if (lane == 0) s_warp[warp] = __popc(bal);
-    __syncthreads();
-    int before = 0, total = 0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const int c = s_warp[w];
-      before += w < warp ? c : 0;
-      total += c;
-    }
-    if (ok) dst[base + before + __popc(bal & ptx::lanemask_lt())] = v;
-    base += total;
-    __syncthreads();
-  }
-  return base;
-}
 
 template <bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -446,11 +420,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       float* dst = kSplit ? args.ws_o + ((static_cast<int64_t>(t) * S + split) * p.H + h0 + row) * kHeadDim
                           : p.out + static_cast<int64_t>(t) * p.out_stride_t +
                                 static_cast<int64_t>(h0 + row) * p.out_stride_h;
+      // Lane qd holds dims qd and qd+4 of each group of 8 (stored positions 2qd, 2qd+1). Four
+      // shuffles among the row's 4 lanes give lane qd dims 2qd, 2qd+1: one 8-byte store per
+      // lane, 32 contiguous bytes per row per instruction (not 4-byte scalar stores).
+      const int src0 = (2 * qd) & 3, src1 = (2 * qd + 1) & 3, hi = qd >> 1;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
-        const int dim = 8 * (8 * warp + nt) + qd;  // stored positions 2qd, 2qd+1 -> dims qd, qd+4
-        dst[dim] = o_acc[mt][nt][2 * rr] * sc;
-        dst[dim + 4] = o_acc[mt][nt][2 * rr + 1] * sc;
+        const float x0 = o_acc[mt][nt][2 * rr] * sc, x1 = o_acc[mt][nt][2 * rr + 1] * sc;
+        const float a0 = __shfl_sync(0xFFFFFFFFu, x0, src0, 4), a1 = __shfl_sync(0xFFFFFFFFu, x1, src0, 4);
+        const float b0 = __shfl_sync(0xFFFFFFFFu, x0, src1, 4), b1 = __shfl_sync(0xFFFFFFFFu, x1, src1, 4);
+        const int dim = 8 * (8 * warp + nt) + 2 * qd;
+        *reinterpret_cast<float2*>(dst + dim) = make_float2(hi ? a1 : a0, hi ? b1 : b0);
       }
     }
   }

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "dsv41/cuda/ptx.h"
 #include "dsv41/dequant.h"
@@ -57,13 +58,17 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t sQ = ptx::smem_addr(smem);
   float* s_w = reinterpret_cast<float*>(smem + static_cast<size_t>(a.tokens_per_cta) * p.Hi * kDi * 2);
 
+  const bool q_words = (reinterpret_cast<uintptr_t>(p.q_codes) & 3) == 0;
   // ---- queries -> bf16 [rows][128] (permuted pairs, 16 chunks per row, XOR swizzle) ----
   for (int u = tid; u < rows * kGroups; u += kThreads) {
     const int r = u / kGroups, grp = u - r * kGroups;
     const int64_t qrow = static_cast<int64_t>(t0) * p.Hi + r;  // row of q_codes [T*Hi, 64]
     const uint8_t* c = p.q_codes + qrow * (kDi / 2) + 4 * grp;
-    const uint32_t w = static_cast<uint32_t>(c[0]) | (static_cast<uint32_t>(c[1]) << 8) |
-                       (static_cast<uint32_t>(c[2]) << 16) | (static_cast<uint32_t>(c[3]) << 24);
+    // One 4-byte load per item (rows are 64 bytes, so 4-byte alignment of the base is
+    // enough); byte loads only for a misaligned base (a view at an odd storage offset).
+    const uint32_t w = q_words ? __ldg(reinterpret_cast<const uint32_t*>(c))
+                               : static_cast<uint32_t>(c[0]) | (static_cast<uint32_t>(c[1]) << 8) |
+                                     (static_cast<uint32_t>(c[2]) << 16) | (static_cast<uint32_t>(c[3]) << 24);
     const dq::Pow2Factor f = dq::ue8m0_factor(p.q_scales[qrow * (kDi / 32) + grp / 4], dq::kE2M1PatternBias);
     uint32_t o[4];
     dq::mxfp4_group8(w, f, o);

@@ -101,11 +101,17 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const __grid_constant
   const int64_t k = p.k;
   const int64_t out_len = k * p.block;
 
+  // A full fence around the cluster barrier: the histograms and totals are written with
+  // ordinary shared-memory stores and read by other CTAs through distributed shared memory,
+  // so the ordering must not rest on the default semantics of cg's arrive/wait alone.
+  // fence.acq_rel.cluster, then arrive.release / wait.acquire (every thread, aligned).
   auto cluster_sync = [&]() {
-    if (C > 1)
-      cg::this_cluster().sync();
-    else
+    if (C > 1) {
+      __threadfence_cluster();
+      asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    } else {
       __syncthreads();
+    }
   };
 
   if (n_eff <= k) {  // everything visible is selected: 0..vis-1, then -1

@@ -47,17 +47,23 @@ void dequant_tricks(KvFormat f, const uint8_t* codes, const uint8_t* scales, int
 namespace cuda {
 
 // ---- Sparse attention ------------------------------------------------------------------
+// Which kernel: kAttentionAuto = the mma.sync kernel where it applies, else the fp32 one;
+// kAttentionGeneric = the fp32 kernel; kAttentionWgmma = the wgmma kernel (sm_90a, the
+// mma.sync kernel's shape limits; an error where it cannot run, never a silent fallback).
+enum AttentionImpl : int { kAttentionAuto = 0, kAttentionGeneric = 1, kAttentionWgmma = 2 };
+
 struct AttentionPlan {
-  bool tensor_cores = false;   // mma.sync kernel (H % 64 == 0, D == 512, W + K <= 4096)
+  bool tensor_cores = false;   // a tensor-core kernel (H % 64 == 0, D == 512, W + K <= 4096)
+  bool wgmma = false;          // ... the wgmma one (else mma.sync)
   int num_splits = 1;          // key splits per query (1: no combine step)
   int64_t workspace_floats = 0;  // partial O and lse when num_splits > 1
 };
 
 // Validates p and chooses the kernel and the split count. requested_splits: 0 = automatic
 // (split the keys when T alone cannot fill the GPU), n > 0 = exactly n (clamped to the
-// tile count). force_generic selects the fp32 reference-style kernel.
+// tile count). impl: an AttentionImpl.
 int sparse_attention_plan(const attn::SparseAttentionParams& p, int requested_splits,
-                          bool force_generic, int device, AttentionPlan* plan);
+                          int impl, int device, AttentionPlan* plan);
 // workspace: plan.workspace_floats floats of device memory (may be null when 0).
 int sparse_attention(const attn::SparseAttentionParams& p, const AttentionPlan& plan,
                      float* workspace, void* stream);

@@ -12,12 +12,13 @@ def build_info() -> dict:
     devices, host_compiler, extension, io_backend ("gds" or "posix": the persistent
     cache's I/O path), io_detail, crc32c.
     """
-    from . import _C
+    from . import __version__
+    from ._ext import _C
 
     compiled = dict(_C._compiled_config())
     rt = compiled.pop("cuda_runtime_version")
     info = {
-        "version": __import__("dsv41").__version__,
+        "version": __version__,
         "cuda_compiled": compiled["cuda_compiled"],
         "cuda_arch_list": compiled["cuda_arch_list"].split() if compiled["cuda_compiled"] else [],
         "cuda_version": f"{rt // 1000}.{rt % 1000 // 10}" if rt else None,

@@ -351,17 +351,29 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
     for w in range(8):
         for mt in range(4):
             for rr in range(2):
-                for lane in range(32):
-                    row = 16 * mt + G[lane] + 8 * rr
-                    for nt in range(8):
-                        dim = 8 * (8 * w + nt) + Q[lane]
-                        out[row, dim] = o_acc[w, mt, nt, lane, 2 * rr] * scale_row[row]
-                        out[row, dim + 4] = o_acc[w, mt, nt, lane, 2 * rr + 1] * scale_row[row]
+                for nt in range(8):
+                    sc = scale_row[16 * mt + G + 8 * rr]
+                    x0 = (o_acc[w, mt, nt, :, 2 * rr] * sc).astype(np.float32)
+                    x1 = (o_acc[w, mt, nt, :, 2 * rr + 1] * sc).astype(np.float32)
+                    for lane in range(32):
+                        qd, base = Q[lane], lane & ~3  # __shfl_sync(..., width 4)
+                        src0, src1, hi = (2 * qd) & 3, (2 * qd + 1) & 3, qd >> 1
+                        lo_v = (x1 if hi else x0)[base + src0]
+                        hi_v = (x1 if hi else x0)[base + src1]
+                        row = 16 * mt + G[lane] + 8 * rr
+                        dim = 8 * (8 * w + nt) + 2 * qd
+                        out[row, dim], out[row, dim + 1] = lo_v, hi_v
     return out, lse_row
 
 
 def run(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sink, scale, S=1):
     """All queries through the emulated CTAs, splits merged as attention_combine.cu does."""
+    return merge_splits(run_cta, q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sink, scale, S)
+
+
+def merge_splits(run_cta, q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sink, scale, S=1):
+    """Every query through run_cta (one emulated kernel's CTA), splits merged as
+    attention_combine.cu does."""
     T = q.shape[0]
     out = np.zeros((T, 64, D), np.float32)
     lse = np.zeros((T, 64), np.float32)

@@ -14,7 +14,10 @@ import torch
 from dsv41 import formats
 
 from . import attention_emulator as emu
+from . import attention_wgmma_emulator as wg_emu
 from .kernel_cases import attention_inputs
+
+EMULATORS = pytest.mark.parametrize("kernel", [emu, wg_emu], ids=["mma", "wgmma"])
 
 
 def _float64_reference(a):
@@ -35,11 +38,12 @@ def _float64_reference(a):
     return out, lse
 
 
+@EMULATORS
 @pytest.mark.parametrize("splits", [1, 3])
-def test_emulated_kernel_matches_float64(splits, gen):
+def test_emulated_kernel_matches_float64(kernel, splits, gen):
     a = attention_inputs(gen, 2, W=70, K=100, Ns=90, Ng=300, p_empty=0.2)
     a["kv_idx"][1, 40:] = -1  # fewer global entries than K for the second query
-    out, lse = emu.run(*a.values(), S=splits)
+    out, lse = kernel.run(*a.values(), S=splits)
     ref_out, ref_lse = _float64_reference(a)
     np.testing.assert_allclose(lse, ref_lse.numpy(), rtol=0, atol=2e-2)
     err = np.abs(out - ref_out.numpy()).max()
@@ -50,11 +54,12 @@ def test_emulated_kernel_matches_float64(splits, gen):
     assert corr > 0.9999
 
 
-def test_emulated_kernel_no_valid_key(gen):
+@EMULATORS
+def test_emulated_kernel_no_valid_key(kernel, gen):
     a = attention_inputs(gen, 1, W=8, K=8, Ns=4, Ng=4)
     a["swa_idx"].fill_(-1)
     a["kv_idx"].fill_(-1)
-    out, lse = emu.run(*a.values())
+    out, lse = kernel.run(*a.values())
     assert np.all(out == 0) and np.all(np.isneginf(lse))
 
 
@@ -84,8 +89,11 @@ _TRANSCRIBED = [
     "const uint32_t v_base = sK + v_key * 1024 + 128 * warp;",
     "ldmatrix_x4(pa[mt], pa_base + mt * 16 * 128 + (((2 * ks + (lane >> 4)) ^ lx) << 4));",
     "ldmatrix_x4_trans(vb, v_base + ks * 16 * 1024 + (((2 * np + (lane >> 4)) ^ lx) << 4));",
-    "const int dim = 8 * (8 * warp + nt) + qd;",
-    "dst[dim + 4] = o_acc[mt][nt][2 * rr + 1] * sc;",
+    "const int src0 = (2 * qd) & 3, src1 = (2 * qd + 1) & 3, hi = qd >> 1;",
+    "const float a0 = __shfl_sync(0xFFFFFFFFu, x0, src0, 4), a1 = __shfl_sync(0xFFFFFFFFu, x1, src0, 4);",
+    "const float b0 = __shfl_sync(0xFFFFFFFFu, x0, src1, 4), b1 = __shfl_sync(0xFFFFFFFFu, x1, src1, 4);",
+    "const int dim = 8 * (8 * warp + nt) + 2 * qd;",
+    "*reinterpret_cast<float2*>(dst + dim) = make_float2(hi ? a1 : a0, hi ? b1 : b0);",
 ]
 
 
@@ -95,3 +103,61 @@ def test_emulator_tracks_the_kernel_source():
     src = (Path(__file__).resolve().parents[2] / "csrc" / "cuda" / "attention_mma.cu").read_text()
     missing = [e for e in _TRANSCRIBED if e not in src]
     assert not missing, f"attention_mma.cu changed; update tests/ops/attention_emulator.py: {missing}"
+
+
+_TRANSCRIBED_WGMMA = [
+    "return static_cast<uint32_t>((c >> 3) * kWgBlockBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));",
+    "st_shared_v4(sQ + wg_off(h, g), dq::floats_to_bf16x2(lo.x, hi.x), dq::floats_to_bf16x2(lo.y, hi.y),",
+    "const uint4* v = reinterpret_cast<const uint4*>(p.swa_values + row * p.swa_values_stride + 128 * qq);",
+    "raw.sc.x = ok ? __ldg(reinterpret_cast<const uint32_t*>(p.swa_scales + row * p.swa_scales_stride + 4 * qq)) : 0u;",
+    "const uint4* v = reinterpret_cast<const uint4*>(p.kv_codes + row * p.kv_codes_stride + 64 * qq);",
+    "raw.sc = ok ? __ldg(reinterpret_cast<const uint2*>(p.kv_scales + row * p.kv_scales_stride + 8 * qq))",
+    "const int c = 8 * qq + 2 * jb + jc;  // 16-value chunk of the row",
+    "const uint4 v = raw.v[2 * jb + jc];",
+    "st_shared_v4(sK + wg_off(r, 2 * c + 1), o[0], o[1], o[2], o[3]);",
+    "const uint32_t sw = jc < 2 ? raw.sc.x : raw.sc.y;",
+    "const uint32_t f1 = dq::nvfp4_factor(static_cast<uint8_t>(sw >> (16 * (jc & 1) + 8)));",
+    "st_shared_v4(sK + wg_off(r, 4 * c + 3), o[0], o[1], o[2], o[3]);",
+    "const int r_ld = tid & 63, qq_ld = tid >> 6;",
+    "const uint32_t kofs = (ks >> 2) * kWgBlockBytes + (ks & 3) * 32;",
+    "wgmma::m64n32k16_ss(s_acc, wgmma::desc_sw128(sQ + kofs, 16, 1024),",
+    "wgmma::desc_sw128(sK + skey0 * 128 + kofs, 16, 1024), 1);",
+    "const bool valid = skey0 + 8 * j + 2 * qd + e < ti.rows;",
+    "st_shared_b32(sP + wg_off(srow0 + g + 8, chunk) + 4 * qd, dq::floats_to_bf16x2(p10, p11));",
+    "wgmma::m64n256k16_ss_tb(o_acc, wgmma::desc_sw128(sP + ks * 32, 16, 1024),",
+    "wgmma::desc_sw128(sK + (4 * wg) * kWgBlockBytes + ks * 2048, kWgBlockBytes, 1024), 1);",
+    "const int dim = 8 * (32 * wg + j) + 2 * qd;",
+]
+
+
+def test_wgmma_emulator_tracks_the_kernel_source():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    src = (root / "csrc" / "cuda" / "attention_wgmma.cu").read_text()
+    missing = [e for e in _TRANSCRIBED_WGMMA if e not in src]
+    assert not missing, f"attention_wgmma.cu changed; update tests/ops/attention_wgmma_emulator.py: {missing}"
+    # the descriptor packing the emulator decodes is the header's
+    hdr = (root / "include" / "dsv41" / "cuda" / "wgmma.h").read_text()
+    assert "(static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (uint64_t{1} << 62);" in hdr
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in hdr and "p, 1, 1, 0, 1;" in hdr
+
+
+def test_wgmma_model_reads_the_canonical_layouts():
+    """The wgmma model on its own, against matrices placed by hand (no kernel expression):
+    a K-major [64 x 64] tile and its MN-major reading, through the 128-byte swizzle."""
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal((64, 64)).astype(np.float32)
+    bits = emu.bf16_bits(m.reshape(-1)).reshape(64, 64)
+    sm = wg_emu.Smem()
+    base = wg_emu.OFF_K0
+    for r in range(64):
+        for k in range(64):  # element (r, k): row r's 128-byte line, chunk k/8 swizzled
+            a = base + r * 128 + ((((k >> 3) ^ (r & 7)) << 4) | (2 * (k & 7)))
+            sm.b[a:a + 2] = np.array([bits[r, k]], np.uint16).view(np.uint8)
+    mb = emu.bits_bf16(bits).astype(np.float64)
+    ks = 2  # k-step 2: columns 32..47 (start + 64 bytes)
+    a_tile = wg_emu._k_major(sm, wg_emu.desc_sw128(base + 2 * 16 * ks, 16, 1024), 64)
+    assert np.array_equal(a_tile, mb[:, 16 * ks:16 * ks + 16])
+    b_tile = wg_emu._mn_major(sm, wg_emu.desc_sw128(base + 16 * 128 * 1, 8192, 1024), 64)  # rows 16..31
+    assert np.array_equal(b_tile, mb[16:32, :])

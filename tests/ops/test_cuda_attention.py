@@ -3,7 +3,8 @@
 The kernel runs first (before the reference allocates), every case draws fresh inputs,
 and the checks are: error <= 2x the bf16-in-torch error + a small absolute term, exact
 inf/NaN masks, and exact outputs where the contract fixes them (no valid key: out = 0,
-lse = -inf)."""
+lse = -inf). Every test runs on both tensor-core kernels: the mma.sync kernel (the
+default) and the wgmma kernel (DSV41_ATTENTION_IMPL=wgmma, read by the op at each call)."""
 from __future__ import annotations
 
 import math
@@ -16,6 +17,12 @@ from .kernel_cases import (DEVICE, assert_within_bf16_error, attention_inputs, b
 
 pytestmark = needs_device
 ATOL = 2e-4
+
+
+@pytest.fixture(autouse=True, params=["mma", "wgmma"])
+def attention_impl(request, monkeypatch):
+    monkeypatch.setenv("DSV41_ATTENTION_IMPL", request.param)
+    return request.param
 
 
 def _run(args):
@@ -125,8 +132,10 @@ def test_one_split_is_batch_invariant(gen, monkeypatch):
     assert torch.equal(out_all[3:5], out_part) and torch.equal(lse_all[3:5], lse_part)
 
 
-def test_generic_kernel(gen, monkeypatch):
+def test_generic_kernel(gen, monkeypatch, attention_impl):
     # Shapes the tensor-core kernel does not take (small models) and the forced fp32 path.
+    if attention_impl == "wgmma":
+        pytest.skip("the fp32 kernel's test (runs once, under the default)")
     _check(attention_inputs(gen, 5, H=4, D=64, W=16, K=24), "H=4 D=64")
     monkeypatch.setenv("DSV41_ATTENTION_IMPL", "generic")
     _check(attention_inputs(gen, 2), "generic, real shape")
@@ -140,3 +149,11 @@ def test_rejects_bad_arguments(gen):
         torch.ops.dsv41.sparse_attention(*{**args, "kv_idx": args["kv_idx"].long()}.values())
     with pytest.raises(RuntimeError, match="sink"):
         torch.ops.dsv41.sparse_attention(*{**args, "sink": args["sink"][:3]}.values())
+
+
+def test_wgmma_refuses_shapes_it_cannot_take(gen, attention_impl):
+    if DEVICE == "cpu" or attention_impl != "wgmma":
+        pytest.skip("the CUDA binding's kernel choice, under DSV41_ATTENTION_IMPL=wgmma")
+    args = to_device(attention_inputs(gen, 2, H=4, D=64, W=16, K=24))
+    with pytest.raises(RuntimeError, match="wgmma"):  # an error, never a silent fallback
+        torch.ops.dsv41.sparse_attention(*args.values())

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import dsv41
-from dsv41.ops import _kernel_schemas
 
 CUDA_OPS = ["sparse_attention", "indexer_scores", "indexer_scores_at", "topk_visible", "candidate_blocks",
             "copy_blocks", "quantize_nvfp4_scatter", "quantize_mxfp4_scatter", "quantize_fp8_swa_scatter",
@@ -16,8 +15,10 @@ CPU_OPS = ["copy_blocks", "quantize_nvfp4_scatter", "quantize_mxfp4_scatter", "q
 
 
 def test_every_op_has_a_schema():
+    # The attention/indexer schemas come from python/dsv41/ops/attention.py, the cache ops'
+    # from csrc/bindings/kernels.cpp: the CUDA kernels need both to be callable.
     for name in CUDA_OPS:
-        assert _kernel_schemas.is_defined(name), name
+        torch._C._dispatch_find_schema_or_throw(f"dsv41::{name}", "")
 
 
 @pytest.mark.skipif(not dsv41.build_info()["cuda_compiled"], reason="built without CUDA")
@@ -29,15 +30,6 @@ def test_cuda_kernels_registered():
 def test_cpu_kernels_registered():
     for name in CPU_OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"dsv41::{name}", "CPU"), name
-
-
-def test_fallback_schemas_match_the_contract():
-    # Where this module defined a schema (the model's definition absent), it must be the
-    # contract's; where the model defined it, the argument lists must agree.
-    for name, text in _kernel_schemas.SCHEMAS.items():
-        schema = getattr(torch.ops.dsv41, name).default._schema
-        assert [a.name for a in schema.arguments] == [
-            a.split()[-1] for a in text[text.index("(") + 1:text.index(")")].split(", ")], name
 
 
 def test_fake_kernels_give_shapes():

@@ -53,6 +53,27 @@ static_assert(kOffRaw0 % 128 == 0 && kOffRaw1 % 128 == 0 && kOffP % 128 == 0, "a
 constexpr int kMinTilesPerSplit = 2;
 constexpr int kMaxSplits = 32;
 
+// ---- wgmma kernel (sm_90a: attention_wgmma.cu) -------------------------------------------
+// Same CTA work as the mma.sync kernel (one query x 64 heads x one key split, 64-key tiles)
+// with two warpgroups: S = Q K^T by wgmma m64n32k16 (warpgroup g: keys 32g..), O += P V by
+// wgmma m64n256k16 (warpgroup g: dims 256g..), A and B read from shared memory through
+// descriptors. Tiles are 128-byte-swizzled K-major: [D/64 blocks][64 rows][128 B], chunk c
+// of row r at (c ^ (r & 7)); the K tile, read K-major for S, is read MN-major (transposed)
+// as V. Two K buffers: the next tile is loaded from global memory and dequantized while the
+// S wgmma of this one runs (wgmma is asynchronous); no raw staging buffers.
+constexpr int kWgThreads = 256;                        // 2 warpgroups
+constexpr int kWgBlockBytes = kHeadsPerCta * 128;      // 8192: one 64-dim block of a tile
+constexpr int kWgOffQ = 0;                             // 65536
+constexpr int kWgOffK0 = kWgOffQ + kQBytes;            // 65536 each
+constexpr int kWgOffK1 = kWgOffK0 + kKBytes;
+constexpr int kWgOffP = kWgOffK1 + kKBytes;            // bf16 P [64][64]: one 128-byte-swizzled block
+constexpr int kWgOffStats = kWgOffP + kPBytes;
+constexpr int kWgOffIdx = kWgOffStats + kStatFloats * 4;
+constexpr int kWgOffMisc = kWgOffIdx + kMaxKeys * 4;
+constexpr int kWgSmemBytes = kWgOffMisc + kMiscInts * 4 + 1024;  // + slack to align the base to 1024
+static_assert(kWgSmemBytes <= 232448, "wgmma attention tile does not fit Hopper shared memory");
+static_assert(kWgOffK0 % 1024 == 0 && kWgOffK1 % 1024 == 0 && kWgOffP % 1024 == 0, "swizzle atoms 1024-aligned");
+
 // ---- Generic kernel (fp32, any H, D % 32 == 0, D <= 1024) ---------------------------------
 constexpr int kGenericThreads = 128;  // 4 warps, one (query, head) per warp
 constexpr int kGenericMaxDimPerLane = 32;

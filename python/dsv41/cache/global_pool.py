@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..ops import cache_ops
 from .errors import PayloadError, PoolFullError
 from .layout import BlockLayout
 from .metrics import CacheMetrics
@@ -270,19 +271,37 @@ class GlobalKVPool:
     # ---- payload I/O --------------------------------------------------------------------
 
     def write(self, bids: Sequence[int], payloads: torch.Tensor) -> None:
-        """storage[bids[i]] = payloads[i]; payloads is uint8 [n, block_bytes] on any device."""
+        """storage[bids[i]] = payloads[i]; payloads is uint8 [n, block_bytes] on any device.
+        On a CUDA pool the blocks move in one dsv41::copy_blocks kernel, straight from pinned
+        host memory or from the device (what a GPU run must exercise); a CPU pool indexes."""
         payloads = self.layout.check_blocks(payloads, "payloads")
         if payloads.shape[0] != len(bids):
             raise PayloadError(f"{payloads.shape[0]} payloads for {len(bids)} blocks")
+        if self.device.type == "cuda":
+            host = payloads.device.type == "cpu" and payloads.is_pinned()
+            src = payloads if host or payloads.device == self.device else payloads.to(self.device)
+            cache_ops.copy_blocks(src.contiguous(), torch.arange(len(bids)), self.storage,
+                                  torch.as_tensor(list(bids), dtype=torch.long))
+            if host:
+                torch.cuda.current_stream(self.device).synchronize()  # the host source may be reused
+            return
         idx = torch.as_tensor(list(bids), dtype=torch.long, device=self.device)
-        src = payloads.to(self.device, non_blocking=payloads.is_pinned())
-        self.storage.index_copy_(0, idx, src)
-        if self.device.type == "cuda" and src is not payloads:
-            torch.cuda.current_stream(self.device).synchronize()  # the host source may be reused
+        self.storage.index_copy_(0, idx, payloads.to(self.device))
 
     def read(self, bids: Sequence[int], device: str | torch.device | None = None) -> torch.Tensor:
         """A copy of the blocks' payloads, uint8 [n, block_bytes] (on `device`, default the
-        pool's)."""
+        pool's). From a CUDA pool to the host, one copy_blocks kernel writes pinned memory."""
+        if self.device.type == "cuda" and len(bids):
+            to_host = device is not None and torch.device(device).type == "cpu"
+            shape = (len(bids), self.block_bytes)
+            out = (torch.empty(shape, dtype=torch.uint8, pin_memory=True) if to_host
+                   else torch.empty(shape, dtype=torch.uint8, device=self.device))
+            cache_ops.copy_blocks(self.storage, torch.as_tensor(list(bids), dtype=torch.long), out,
+                                  torch.arange(len(bids)))
+            if to_host:
+                torch.cuda.current_stream(self.device).synchronize()
+                return out
+            return out if device is None else out.to(device)
         idx = torch.as_tensor(list(bids), dtype=torch.long, device=self.device)
         out = self.storage.index_select(0, idx)
         return out if device is None else out.to(device)

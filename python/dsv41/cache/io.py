@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import _C
+from .._ext import _C
 
 __all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "crc32c", "crc32c_sw",
            "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",

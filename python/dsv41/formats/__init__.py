@@ -100,7 +100,7 @@ _FP8_SWA = _Format(layout.FP8_SWA)
 
 
 def _ops():
-    from .. import _C  # noqa: F401  (loading the extension registers torch.ops.dsv41)
+    from .._ext import _C  # noqa: F401  (loading the extension registers torch.ops.dsv41)
     return torch.ops.dsv41
 
 

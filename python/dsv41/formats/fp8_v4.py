@@ -22,7 +22,7 @@ __all__ = ["quantize_fp8_v4", "quantize_fp8_v4_into", "dequantize_fp8_v4", "fp8_
 
 
 def _ops():
-    from .. import _C  # noqa: F401  (loading the extension registers torch.ops.dsv41)
+    from .._ext import _C  # noqa: F401  (loading the extension registers torch.ops.dsv41)
     return torch.ops.dsv41
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import formats
 from ..config import ModelConfig
 from .context import ForwardContext
 from .layers import Linear, RMSNorm
@@ -86,7 +85,7 @@ class Compressor(nn.Module):
             latent = self.pool(kv[:n * m], None if score is None else score[:n * m])
             pos = (first + torch.arange(n, device=latent.device)) * m
             entry = rope.rotate(latent, pos)
-            seg.state.main_kv[self.layer].stage(*formats.quantize_nvfp4(entry))
+            seg.state.main_kv[self.layer].stage_quantized("nvfp4", entry)
             if indexer is not None:
-                seg.state.index_keys[self.layer].stage(*indexer.keys(latent, pos))
+                seg.state.index_keys[self.layer].stage_quantized("mxfp4", indexer.key_values(latent, pos))
             ctx.record(self.layer, entry_positions=pos, latent=latent, entry=entry)

@@ -60,15 +60,21 @@ class Indexer(nn.Module):
         self.rope = Rope.for_layer(c, plan.compress_ratio)
         self.weight_scale = (c.index_head_dim * c.index_n_heads) ** -0.5
 
-    def _finish(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         x = self.rope.rotate(x, pos)
-        if self.rotate:
-            x = hadamard(x)
-        return formats.quantize_mxfp4(x)
+        return hadamard(x) if self.rotate else x
+
+    def _finish(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return formats.quantize_mxfp4(self._rotate(x, pos))
+
+    def key_values(self, latent: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The float32 keys [n, Di] that are quantized to MXFP4 and stored (before quantization,
+        so the cache write can quantize in place: RowStore.stage_quantized)."""
+        return self._rotate(self.k_norm(self.wk(latent)), pos)
 
     def keys(self, latent: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """MXFP4 keys (codes, scales) of normalized entries latent [n, D] at positions pos."""
-        return self._finish(self.k_norm(self.wk(latent)), pos)
+        return formats.quantize_mxfp4(self.key_values(latent, pos))
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor):
         """MXFP4 queries (codes [T,Hi,Di/2], scales [T,Hi,Di/32]) and head weights [T,Hi]."""

@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import formats
 from ..budget import kv_budget
 from ..config import ModelConfig
 from ..formats.layout import FP8_SWA, MXFP4, NVFP4
+from ..ops import cache_ops
 
 __all__ = ["RowStore", "SequenceState", "SwaSnapshot", "state_bytes_equal", "state_diff"]
 
@@ -84,6 +86,19 @@ class RowStore:
         self._reserve(self._end + m)
         self.codes[self._end:self._end + m] = codes
         self.scales[self._end:self._end + m] = scales
+        self._end += m
+
+    def stage_quantized(self, fmt: str, x: torch.Tensor) -> None:
+        """Quantize x [m, D] (float32) into the next m rows (fmt "nvfp4" or "mxfp4"). On CUDA
+        the cache-write kernel (dsv41::quantize_<fmt>_scatter) writes the rows in place, with
+        no temporary; on the CPU, formats.quantize_<fmt> and stage. Same bits either way."""
+        if not x.is_cuda:
+            self.stage(*getattr(formats, f"quantize_{fmt}")(x))
+            return
+        m = x.shape[0]
+        self._reserve(self._end + m)
+        rows = torch.arange(self._end, self._end + m, device=x.device)
+        cache_ops.quantize_scatter(fmt, x, self.codes, self.scales, rows)
         self._end += m
 
     def commit(self) -> None:

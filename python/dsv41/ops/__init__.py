@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C  # noqa: F401  (registers torch.ops.dsv41.* codecs)
+from .._ext import _C  # noqa: F401  (registers torch.ops.dsv41.* codecs)
 from . import attention, reference  # noqa: F401  (registers the attention/indexer ops)
 from . import _fake  # noqa: F401
 from .attention import (candidate_blocks, dense_attention, indexer_scores, indexer_scores_at,
                         sparse_attention, topk_visible)
 from . import cache_ops  # noqa: F401  (cache writes, block copies: kernels in csrc/)
-from . import _kernel_schemas  # noqa: F401  (after the model's ops: defines only what is missing)
 
 ops = torch.ops.dsv41
 

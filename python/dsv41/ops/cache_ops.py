@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C  # noqa: F401  (registers the ops)
+from .._ext import _C  # noqa: F401  (registers the ops)
 from .. import profiling
 from ..formats import layout
 

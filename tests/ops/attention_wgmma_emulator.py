@@ -1,0 +1,295 @@
+"""A numpy emulation of csrc/cuda/attention_wgmma.cu (one CTA at a time), the counterpart of
+attention_emulator.py for the wgmma kernel.
+
+The kernel's index arithmetic runs here as written in the .cu file (wg_off, the decode
+shares of each thread, the descriptor start addresses and byte offsets, the accumulator
+fragment indices, the epilogue shuffles) against a byte-addressed shared memory. wgmma is
+modelled from the PTX ISA's description, independently of the kernel's expressions: the
+64-bit descriptor is unpacked into its fields, every element's address is computed from
+the canonical 128-byte-swizzled layouts (K-major: 8-row atoms of 128-byte rows, SBO
+between atoms; MN-major: 64 elements per 128-byte row, LBO between 64-element blocks, SBO
+between 8-row k groups), the swizzle XORs address bits 4-6 with bits 7-9, and the product
+lands in the documented accumulator fragment (warp w of the warpgroup: rows 16w + lane/4
+(+8), columns 8j + 2(lane%4) (+1)). A slip in a layout, a descriptor field or a fragment
+index shows up as a wrong result. What the emulation cannot show is a misreading of the
+ISA shared by kernel and model: that needs the GPU run (docs/kernels.md).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .attention_emulator import (G, LOG2E, NVFP4_SHIFT, Q, _decode_fp8_bytes, _decode_nvfp4_bytes,
+                                 bf16_bits, bits_bf16)
+
+# attention/config.h, kWg*
+BLOCK = 8192
+OFF_Q, OFF_K0, OFF_K1, OFF_P = 0, 65536, 131072, 196608
+K_BYTES = 65536
+SMEM = OFF_P + 8192
+
+
+def wg_off(r, c):
+    return (c >> 3) * BLOCK + r * 128 + (((c & 7) ^ (r & 7)) << 4)
+
+
+def desc_sw128(addr, lbo, sbo):  # dsv41/cuda/wgmma.h
+    return (((addr & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16) | (((sbo & 0x3FFFF) >> 4) << 32) | (1 << 62))
+
+
+class Smem:
+    def __init__(self):
+        self.b = np.zeros(SMEM, dtype=np.uint8)
+
+    def st16(self, addr, halves):
+        self.b[addr:addr + 16] = np.asarray(halves, dtype=np.uint16).view(np.uint8)
+
+    def st32(self, addr, lo, hi):
+        self.b[addr:addr + 4] = np.array([lo, hi], dtype=np.uint16).view(np.uint8)
+
+    def bf16_at(self, addrs):
+        a = np.asarray(addrs)
+        h = self.b[a].astype(np.uint16) | (self.b[a + 1].astype(np.uint16) << 8)
+        return bits_bf16(h)
+
+
+# ---- the wgmma model (PTX ISA), shared by both shapes --------------------------------------
+
+def _fields(desc: int):
+    assert desc >> 62 == 1, "only the 128-byte swizzle is modelled"
+    assert (desc >> 49) & 7 == 0, "base offset must be 0"
+    return (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+
+
+def _swizzle128(addr):
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def _k_major(sm: Smem, desc: int, rows: int) -> np.ndarray:
+    """[rows, 16] bf16 of a K-major operand: element (mn, k) at start + (mn/8) SBO +
+    (mn%8) 128 + 2k, swizzled."""
+    start, _, sbo = _fields(desc)
+    mn, k = np.meshgrid(np.arange(rows), np.arange(16), indexing="ij")
+    return sm.bf16_at(_swizzle128(start + (mn // 8) * sbo + (mn % 8) * 128 + 2 * k))
+
+
+def _mn_major(sm: Smem, desc: int, cols: int) -> np.ndarray:
+    """[16, cols] bf16 of an MN-major operand: element (k, mn) at start + (mn/64) LBO +
+    (k/8) SBO + (k%8) 128 + 2 (mn%64), swizzled."""
+    start, lbo, sbo = _fields(desc)
+    k, mn = np.meshgrid(np.arange(16), np.arange(cols), indexing="ij")
+    return sm.bf16_at(_swizzle128(start + (mn // 64) * lbo + (k // 8) * sbo + (k % 8) * 128 + 2 * (mn % 64)))
+
+
+def wgmma(sm: Smem, acc: np.ndarray, desc_a: int, desc_b: int, n: int, tnsp_b: int, scale_d: int):
+    """acc [4 warps, 32 lanes, n/2] (+)= A[64,16] B[16,n], float32 accumulation modelled in
+    float64 then rounded (the order of the hardware's sums is not modelled)."""
+    a = _k_major(sm, desc_a, 64).astype(np.float64)
+    b = (_mn_major(sm, desc_b, n) if tnsp_b else _k_major(sm, desc_b, n).T).astype(np.float64)
+    c = a @ b
+    out = acc if scale_d else np.zeros_like(acc)
+    for w in range(4):
+        for j in range(n // 8):
+            for h in range(2):
+                for e in range(2):
+                    out[w, :, 4 * j + 2 * h + e] += c[16 * w + G + 8 * h, 8 * j + 2 * Q + e]
+    acc[...] = out.astype(np.float32)
+
+
+# ---- the kernel -----------------------------------------------------------------------------
+
+def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sink, scale, t, S=1, split=0):
+    sm = Smem()
+    swa_v = swa_values.view(torch.uint8).numpy()
+    swa_s = swa_scales.view(torch.uint8).numpy()
+    kv_c = kv_codes.numpy()
+    kv_s = kv_scales.view(torch.uint8).numpy()
+    qt = q[t].numpy()
+    for h in range(64):
+        for g in range(64):
+            lo, hi = qt[h, 8 * g:8 * g + 4], qt[h, 8 * g + 4:8 * g + 8]
+            sm.st16(OFF_Q + wg_off(h, g), bf16_bits(np.stack([lo, hi], 1).reshape(-1)))
+    ns, ng = swa_v.shape[0], kv_c.shape[0]
+    sidx = [int(v) for v in swa_idx[t].tolist() if 0 <= v < ns]
+    kidx = [int(v) for v in kv_idx[t].tolist() if 0 <= v < ng]
+    s_idx = sidx + kidx
+    n_swa, n_kv = len(sidx), len(kidx)
+    swa_tiles = (n_swa + 63) // 64
+    n_tiles = swa_tiles + (n_kv + 63) // 64
+    tb, te = 0, n_tiles
+    if S > 1:
+        per = (n_tiles + S - 1) // S
+        tb = min(n_tiles, split * per)
+        te = min(n_tiles, tb + per)
+
+    def tile(i):
+        if i < swa_tiles:
+            return 64 * i, min(64, n_swa - 64 * i), False
+        j = i - swa_tiles
+        return n_swa + 64 * j, min(64, n_kv - 64 * j), True
+
+    def store_group(sK, r, group, vals):
+        perm = np.empty(8, np.float32)
+        perm[0::2], perm[1::2] = vals[:4], vals[4:]
+        sm.st16(sK + wg_off(r, group), bf16_bits(perm))
+
+    def decode_tile(i, sK):  # load_share + store_share of every thread
+        first, rows, kv = tile(i)
+        for tid in range(256):
+            r, qq = tid & 63, tid >> 6
+            ok = r < rows
+            row = s_idx[first + r] if ok else 0
+            if not kv:
+                v = swa_v[row, 128 * qq:128 * qq + 128] if ok else np.zeros(128, np.uint8)
+                sc = swa_s[row, 4 * qq:4 * qq + 4] if ok else np.zeros(4, np.uint8)
+                for jb in range(4):
+                    for jc in range(2):
+                        c = 8 * qq + 2 * jb + jc
+                        j = 2 * jb + jc
+                        vals = _decode_fp8_bytes(v[16 * j:16 * j + 16], int(sc[jb]))
+                        store_group(sK, r, 2 * c, vals[:8])
+                        store_group(sK, r, 2 * c + 1, vals[8:])
+            else:
+                v = kv_c[row, 64 * qq:64 * qq + 64] if ok else np.zeros(64, np.uint8)
+                sc = kv_s[row, 8 * qq:8 * qq + 8] if ok else np.zeros(8, np.uint8)
+                for jc in range(4):
+                    c = 4 * qq + jc
+                    # sw = .x (bytes 0-3) or .y (4-7); f0, f1 = its bytes 2(jc&1), 2(jc&1)+1
+                    f0 = int(sc[4 * (jc >= 2) + 2 * (jc & 1)])
+                    f1 = int(sc[4 * (jc >= 2) + 2 * (jc & 1) + 1])
+                    cb = v[16 * jc:16 * jc + 16]
+                    v0 = _decode_nvfp4_bytes(cb[:8], f0) * 2.0 ** -NVFP4_SHIFT
+                    v1 = _decode_nvfp4_bytes(cb[8:], f1) * 2.0 ** -NVFP4_SHIFT
+                    for x, vals in enumerate((v0[:8], v0[8:], v1[:8], v1[8:])):
+                        store_group(sK, r, 4 * c + x, vals)
+
+    # per-thread state: [warpgroup, warp in it, lane, ...]
+    m_run = np.full((2, 4, 32, 2), -np.inf, np.float32)
+    l_run = np.zeros((2, 4, 32, 2), np.float32)
+    o_acc = np.zeros((2, 4, 32, 128), np.float32)
+    s_red = np.zeros(128, np.float32)
+
+    if tb < te:
+        decode_tile(tb, OFF_K0)
+    for i in range(tb, te):
+        sK = OFF_K0 + ((i - tb) & 1) * K_BYTES
+        sK_next = OFF_K0 + (((i - tb) & 1) ^ 1) * K_BYTES
+        _, rows, kv = tile(i)
+        s_acc = np.zeros((2, 4, 32, 16), np.float32)
+        for wg in range(2):
+            skey0 = 32 * wg
+            for ks in range(32):
+                kofs = (ks >> 2) * BLOCK + (ks & 3) * 32
+                wgmma(sm, s_acc[wg], desc_sw128(OFF_Q + kofs, 16, 1024),
+                      desc_sw128(sK + skey0 * 128 + kofs, 16, 1024), 32, 0, 1)
+        if i + 1 < te:
+            decode_tile(i + 1, sK_next)
+        c_tile = np.float32(scale * LOG2E * (256.0 if kv else 1.0))
+        pshift = np.float32(8.0 if kv else 0.0)
+        mx_all = np.full((2, 4, 32, 2), -np.inf, np.float32)
+        for wg in range(2):
+            skey0 = 32 * wg
+            for wl in range(4):
+                sa, mx = s_acc[wg, wl], mx_all[wg, wl]
+                for j in range(4):
+                    for e in range(2):
+                        valid = skey0 + 8 * j + 2 * Q + e < rows
+                        sa[:, 4 * j + e] = np.where(valid, sa[:, 4 * j + e] * c_tile, -np.inf)
+                        sa[:, 4 * j + 2 + e] = np.where(valid, sa[:, 4 * j + 2 + e] * c_tile, -np.inf)
+                        mx[:, 0] = np.fmax(mx[:, 0], sa[:, 4 * j + e])
+                        mx[:, 1] = np.fmax(mx[:, 1], sa[:, 4 * j + 2 + e])
+                for rr in range(2):
+                    mx[:, rr] = mx[:, rr].reshape(8, 4).max(1).repeat(4)
+                for lane in range(0, 32, 4):
+                    s_red[wg * 64 + 16 * wl + lane // 4] = mx[lane, 0]
+                    s_red[wg * 64 + 16 * wl + lane // 4 + 8] = mx[lane, 1]
+        # B1
+        for wg in range(2):
+            skey0 = 32 * wg
+            for wl in range(4):
+                srow0 = 16 * wl
+                sa, mx = s_acc[wg, wl], mx_all[wg, wl]
+                alpha = np.zeros((32, 2), np.float32)
+                m_use = np.zeros((32, 2), np.float32)
+                for rr in range(2):
+                    other = s_red[(wg ^ 1) * 64 + srow0 + G + 8 * rr]
+                    m_new = np.fmax(m_run[wg, wl, :, rr], np.fmax(mx[:, rr], other))
+                    m_use[:, rr] = np.where(m_new == -np.inf, 0, m_new)
+                    alpha[:, rr] = np.exp2(m_run[wg, wl, :, rr] - m_use[:, rr])
+                    m_run[wg, wl, :, rr] = m_new
+                lsum = np.zeros((32, 2), np.float32)
+                for j in range(4):
+                    p00 = np.exp2(sa[:, 4 * j + 0] - (m_use[:, 0] - pshift))
+                    p01 = np.exp2(sa[:, 4 * j + 1] - (m_use[:, 0] - pshift))
+                    p10 = np.exp2(sa[:, 4 * j + 2] - (m_use[:, 1] - pshift))
+                    p11 = np.exp2(sa[:, 4 * j + 3] - (m_use[:, 1] - pshift))
+                    lsum[:, 0] += p00 + p01
+                    lsum[:, 1] += p10 + p11
+                    chunk = (skey0 >> 3) + j
+                    for lane in range(32):
+                        r0 = srow0 + G[lane]
+                        sm.st32(OFF_P + wg_off(r0, chunk) + 4 * Q[lane], *bf16_bits(np.array([p00[lane], p01[lane]])))
+                        sm.st32(OFF_P + wg_off(r0 + 8, chunk) + 4 * Q[lane],
+                                *bf16_bits(np.array([p10[lane], p11[lane]])))
+                lscale = np.float32(1 / 256 if kv else 1)
+                l_run[wg, wl] = l_run[wg, wl] * alpha + lsum * lscale
+                o_acc[wg, wl, :, 0::4] *= alpha[:, :1]
+                o_acc[wg, wl, :, 1::4] *= alpha[:, :1]
+                o_acc[wg, wl, :, 2::4] *= alpha[:, 1:]
+                o_acc[wg, wl, :, 3::4] *= alpha[:, 1:]
+        # B2: P V
+        for wg in range(2):
+            for ks in range(4):
+                wgmma(sm, o_acc[wg], desc_sw128(OFF_P + ks * 32, 16, 1024),
+                      desc_sw128(sK + (4 * wg) * BLOCK + ks * 2048, BLOCK, 1024), 256, 1, 1)
+    # epilogue
+    s_l = np.zeros(128, np.float32)
+    for wg in range(2):
+        for wl in range(4):
+            lr = l_run[wg, wl].reshape(8, 4, 2).sum(1)
+            for gg in range(8):
+                s_l[wg * 64 + 16 * wl + gg] = lr[gg, 0]
+                s_l[wg * 64 + 16 * wl + gg + 8] = lr[gg, 1]
+    scale_row = np.zeros(64, np.float32)
+    lse_row = np.zeros(64, np.float32)
+    for wl in range(4):
+        for gg in range(8):
+            for rr in range(2):
+                row = 16 * wl + gg + 8 * rr
+                lt = s_l[row] + s_l[64 + row]
+                m = m_run[0, wl, 4 * gg, rr]
+                if lt == 0:
+                    lse, sc = -np.inf, 0.0
+                elif np.isnan(lt):
+                    lse, sc = (np.nan if S > 1 else -np.inf), np.nan
+                else:
+                    lse = (m + np.log2(lt)) * np.log(2.0)
+                    sc = 1.0 / lt
+                    if S == 1:
+                        sc *= 1.0 / (1.0 + np.exp(float(sink[row]) - lse))
+                scale_row[row], lse_row[row] = sc, lse
+    out = np.full((64, 512), np.nan, np.float32)
+    for wg in range(2):
+        for wl in range(4):
+            for rr in range(2):
+                sc = scale_row[16 * wl + G + 8 * rr]
+                for j in range(32):
+                    x0 = (o_acc[wg, wl, :, 4 * j + 2 * rr] * sc).astype(np.float32)
+                    x1 = (o_acc[wg, wl, :, 4 * j + 2 * rr + 1] * sc).astype(np.float32)
+                    for lane in range(32):
+                        qd, base = Q[lane], lane & ~3
+                        src0, src1, hi = (2 * qd) & 3, (2 * qd + 1) & 3, qd >> 1
+                        row = 16 * wl + G[lane] + 8 * rr
+                        dim = 8 * (32 * wg + j) + 2 * qd
+                        out[row, dim] = (x1 if hi else x0)[base + src0]
+                        out[row, dim + 1] = (x1 if hi else x0)[base + src1]
+    return out, lse_row
+
+
+def run(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sink, scale, S=1):
+    """All queries; splits merged as attention_combine.cu does (attention_emulator.run's merge)."""
+    from . import attention_emulator
+
+    return attention_emulator.merge_splits(run_cta, q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales,
+                                           kv_idx, sink, scale, S)
+
