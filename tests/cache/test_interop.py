@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.cache import CacheConfig, PrefixCache, SwaSnapshot, interop
+from dsv41.cache import CacheConfig, PrefixCache, TensorSnapshot, interop
 
 from ..conftest import requires_cuda
 from .helpers import B, TINY
@@ -103,7 +103,7 @@ def test_pool_blocks_are_shared_not_copied(cp):
 def test_snapshot_round_trip_shares_memory(cp):
     g = torch.Generator().manual_seed(1)
     vals = torch.randint(0, 256, (128, 64), dtype=torch.uint8, generator=g).cuda().view(torch.float8_e4m3fn)
-    snap = SwaSnapshot(128, {"swa_values.0": vals,
+    snap = TensorSnapshot(128, {"swa_values.0": vals,
                              "swa_scales.0": torch.randint(0, 256, (128, 2), dtype=torch.uint8, generator=g).cuda(),
                              "tokens": torch.arange(128, device="cuda")}, {"format": "t"})
     arrays, dtypes = interop.snapshot_to_cupy(snap)
