@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from .errors import PayloadError
+from .errors import MissingParentError, PayloadError
 from .global_pool import GlobalKVPool
 from .hashing import BlockHasher, CacheKey, HashFn, as_token_array, model_fingerprint, sha256
 from .layout import DEFAULT_BLOCK_TOKENS, PAYLOAD_FORMAT_VERSION, BlockLayout
@@ -177,7 +177,7 @@ class PrefixCache:
         if g:
             with pool.lock:
                 slots = [pool.slot(b) for b in m.block_ids]
-                rids = [s.record_id for s in slots]
+                rids = self._stored_records(slots)
             first = next((j for j, r in enumerate(rids) if r is None), g)
             if first < g:
                 # GPU blocks that do not know their record (written by another process, or
@@ -206,6 +206,19 @@ class PrefixCache:
         m.block_ids.extend(new)
         self.metrics.promotions.inc(len(new))
         return len(new)
+
+    def _stored_records(self, slots: list) -> list[int | None]:
+        """Record ids of the slots' blocks that the store still holds (call under the pool
+        lock). The store may have dropped a chain the pool still references (LRU eviction
+        under its byte cap, TTL expiry, verify --repair, a failed read): such a block is
+        treated as not stored, its stale id is forgotten, and _persist writes it again."""
+        out = []
+        for s in slots:
+            rid = s.record_id
+            if rid is not None and rid not in self.store:
+                s.record_id = rid = None
+            out.append(rid)
+        return out
 
     def _find_stored(self, m: PrefixMatch, tok: np.ndarray, first: int, upto: int, parent: int) -> list[int]:
         """Record ids of the blocks first, first+1, ... (below record `parent`) that the store
@@ -274,7 +287,7 @@ class PrefixCache:
         with self._persist_lock:
             with pool.lock:
                 slots = [pool.slot(b) for b in m.block_ids[:upto]]
-            rids = [s.record_id for s in slots] + [None] * (upto - len(slots))
+                rids = self._stored_records(slots) + [None] * (upto - len(slots))
             first = next((j for j, r in enumerate(rids) if r is None), upto)
             if first == upto:
                 return
@@ -305,8 +318,15 @@ class PrefixCache:
             puts = []
             for j in todo:
                 payload = pool_rows[j] if j in pool_rows else host_new[j - new_start]
-                parent = store.put(key=m.key, parent=parent, block_index=j, block_hash=m.hashes[j],
-                                   parent_hash=m.hashes[j - 1] if j else root, tokens=tok[j], payload=payload)
+                try:
+                    parent = store.put(key=m.key, parent=parent, block_index=j, block_hash=m.hashes[j],
+                                       parent_hash=m.hashes[j - 1] if j else root, tokens=tok[j],
+                                       payload=payload)
+                except MissingParentError:
+                    # The store dropped the parent since _stored_records looked (another
+                    # thread's TTL expiry or failed read): this chain is not stored now; the
+                    # next request that reaches it writes it again from its root.
+                    break
                 puts.append((j, parent))
             res = store.commit()
             done = set(res.persisted)

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -44,8 +45,9 @@ import torch
 
 from . import io as _io
 from . import store_format as sf
-from .errors import StoreError, StoreLockedError, StoreMismatchError, StoreReadOnlyError
+from .errors import MissingParentError, StoreError, StoreLockedError, StoreMismatchError, StoreReadOnlyError
 from .metrics import CacheMetrics
+from .store import files as _files
 
 __all__ = ["PersistentStore", "StoreIdentity", "CommitResult", "DURABILITY"]
 
@@ -181,6 +183,7 @@ class PersistentStore:
         self._key_ids: dict[bytes, int] = {}
         self._pending: list[_Pending] = []
         self._pending_rids: set[int] = set()
+        self._colliding: set[int] = set()  # record ids found in two segments with different contents
         self._next_rid = 1
         self._next_seq = 1
         self._active_reads = 0
@@ -191,7 +194,9 @@ class PersistentStore:
         self.mismatch: str | None = None
         self.counts = {"recovered_records": 0, "recovered_segments": 0, "torn_temp_files": 0,
                        "damaged_segments": 0, "foreign_segments": 0, "duplicate_records": 0,
-                       "orphans_dropped": 0, "superseded_segments": 0, "journal_torn_bytes": 0}
+                       "orphans_dropped": 0, "superseded_segments": 0, "journal_torn_bytes": 0,
+                       "unusable_files": 0, "colliding_records": 0}
+        self.unusable: list[str] = []  # names skipped by _unusable, with why
         self.recovery_seconds = 0.0
         self.closed = False
         self._direct_seen: bool | None = None  # whether the filesystem took O_DIRECT
@@ -200,13 +205,23 @@ class PersistentStore:
         self._gds_files: dict[bytes, object] = {}
 
         t0 = time.perf_counter()
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreError(errno.ENOTDIR, f"persistent store path {self.path} is not a directory")
         if mode == "w":
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._take_lock()
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StoreError(e.errno, f"cannot create the persistent store directory {self.path}: "
+                                 f"{e.strerror}") from None
         elif not self.path.is_dir():
             raise StoreError(errno.ENOENT, f"no persistent store at {self.path}")
         try:
-            self.identity = self._open_manifest(identity, on_mismatch)
+            # A store of another model opened as an empty tier is left exactly as it is: no
+            # writer lock (its rightful writer may hold it), no recovery, no journal.
+            self.identity = self._open_manifest(identity, on_mismatch, locked=False)
+            if self.mismatch is None and mode == "w":
+                self._take_lock()
+                self.identity = self._open_manifest(identity, on_mismatch, locked=True)
             if self.mismatch is None:
                 self._recover()
         except BaseException:
@@ -220,7 +235,14 @@ class PersistentStore:
 
     def _take_lock(self) -> None:
         lock_path = self.path / sf.LOCK_NAME
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = _files.open_regular(lock_path, os.O_RDWR | os.O_CREAT)
+        except _files.NotRegularFileError:
+            raise
+        except OSError as e:
+            raise StoreError(e.errno, f"cannot open the persistent store {self.path} for writing "
+                             f"({e.strerror}): a read-only filesystem or directory needs mode='r'",
+                             str(lock_path)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -244,9 +266,16 @@ class PersistentStore:
                 os.close(self._lock_fd)
                 self._lock_fd = None
 
-    def _open_manifest(self, identity: StoreIdentity | None, on_mismatch: str) -> StoreIdentity:
+    def _open_manifest(self, identity: StoreIdentity | None, on_mismatch: str, locked: bool) -> StoreIdentity | None:
+        """The store's identity from its manifest, checked against `identity`. Before the
+        writer lock (locked False) a missing manifest returns None: it is created under
+        the lock."""
         mpath = self.path / sf.MANIFEST_NAME
-        if not mpath.exists():
+        try:
+            fd = _files.open_regular(mpath, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = None
+        if fd is None:
             if self.mode != "w":
                 raise StoreError(errno.ENOENT, f"{self.path} is not a dsv41 persistent store "
                                  f"(no {sf.MANIFEST_NAME})")
@@ -254,15 +283,22 @@ class PersistentStore:
                 raise StoreError(errno.EINVAL, f"{self.path} has segment files but no "
                                  f"{sf.MANIFEST_NAME}: refusing to guess which model wrote them")
             if identity is None:
-                raise StoreError(errno.EINVAL, f"creating a store at {self.path} needs its identity")
+                raise StoreError(errno.EINVAL, f"{self.path} is not a dsv41 persistent store (no "
+                                 f"{sf.MANIFEST_NAME}); creating one needs the model's identity")
+            if not locked:
+                return None  # created under the writer lock
             self._write_manifest(identity)
             return identity
         try:
-            fields = json.loads(mpath.read_text())
+            with os.fdopen(fd, "rb") as f:
+                text = f.read(1 << 20)
+            fields = json.loads(text)
+            if not isinstance(fields, dict):
+                raise ValueError("not a JSON object")
             if fields.get("checksum") != sf.manifest_checksum(fields):
                 raise ValueError("checksum mismatch")
             found = StoreIdentity(**{k: fields[k] for k in StoreIdentity.__dataclass_fields__})
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise StoreError(errno.EINVAL, f"{mpath} is damaged or not a dsv41 manifest ({e})") from None
         if found.store_format_version != sf.STORE_FORMAT_VERSION:
             problem = (f"store format version {found.store_format_version}, this dsv41 reads "
@@ -278,6 +314,8 @@ class PersistentStore:
                f"(on_mismatch='empty'); its entries are never mixed with this model's")
         if on_mismatch == "error":
             raise StoreMismatchError(errno.EINVAL, msg)
+        if locked:
+            return found  # already warned before the lock
         warnings.warn(msg + " -- opened as an empty, read-only tier", stacklevel=3)
         self.mismatch = problem
         return identity if identity is not None else found
@@ -288,7 +326,7 @@ class PersistentStore:
                       created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         fields["checksum"] = sf.manifest_checksum(fields)
         tmp = self.path / (sf.MANIFEST_NAME + ".tmp")
-        with open(tmp, "w") as f:
+        with os.fdopen(_files.create_exclusive(tmp), "w") as f:
             json.dump(fields, f, indent=2, sort_keys=True)
             f.write("\n")
             f.flush()
@@ -297,11 +335,7 @@ class PersistentStore:
         self._fsync_dir()
 
     def _fsync_dir(self) -> None:
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _files.fsync_dir(self.path)
 
     # ---- recovery -----------------------------------------------------------------------
 
@@ -310,8 +344,11 @@ class PersistentStore:
         if self.mode == "w":
             for n in names:
                 if n.startswith(".tmp-"):  # a commit or compaction cut short by a crash
-                    os.unlink(self.path / n)
-                    self.counts["torn_temp_files"] += 1
+                    try:
+                        _files.unlink_if_present(self.path / n)
+                        self.counts["torn_temp_files"] += 1
+                    except _files.NotRegularFileError as e:
+                        self._unusable(n, e)
         loaded = []
         for n in names:
             parsed = sf.parse_segment_name(n)
@@ -328,23 +365,14 @@ class PersistentStore:
                 # A compaction published its replacement but died before unlinking this one.
                 self.counts["superseded_segments"] += 1
                 if self.mode == "w":
-                    os.unlink(self.path / seg.name)
+                    _files.unlink_if_present(self.path / seg.name)
                 continue
             self._segs[seg.uuid] = seg
             rec_rows.append((seg, hdr, rows))
         max_rid = 0
         for seg, hdr, rows in rec_rows:
-            for r in rows:
-                max_rid = max(max_rid, r.rid)
-                old = self._recs.get(r.rid)
-                if old is not None:
-                    # The same record twice (only a damaged supersedes list can cause it):
-                    # keep the copy in the newer segment.
-                    self.counts["duplicate_records"] += 1
-                    if old.seg.seq > seg.seq:
-                        continue
-                    self._unindex(old)
-                self._index(r)
+            max_rid = max([max_rid] + [r.rid for r in rows])
+            self._add_rows(rows)
         deleted = self._replay_journal()
         for rid in deleted:
             r = self._recs.get(rid)
@@ -366,6 +394,34 @@ class PersistentStore:
         self.counts["recovered_records"] = len(self._recs)
         self.counts["recovered_segments"] = len(self._segs)
 
+    def _add_rows(self, rows: list[_Rec]) -> None:
+        """Indexes one segment's records (recovery and refresh). A record id that is
+        already indexed is either the same record twice (identical identity: only a
+        damaged supersedes list causes that; the newer copy is kept) or two records that
+        share an id: two stores merged into one directory. Then neither copy can be
+        trusted (a chain could continue into the other store's records): both are
+        dropped, and so is any later record with that id; their children become orphans."""
+        for r in rows:
+            if r.rid in self._colliding:
+                self.counts["colliding_records"] += 1
+                continue
+            old = self._recs.get(r.rid)
+            if old is not None:
+                if (old.parent, old.hash, old.block_index, old.key_id) == (r.parent, r.hash, r.block_index,
+                                                                          r.key_id) and old.seg is not r.seg:
+                    self.counts["duplicate_records"] += 1
+                    if old.seg.seq > r.seg.seq:
+                        continue
+                    self._unindex(old)
+                else:
+                    log.warning("record id %d is in %s and %s with different contents (two stores merged "
+                                "into one directory?): neither copy is used", r.rid, old.seg.name, r.seg.name)
+                    self._colliding.add(r.rid)
+                    self.counts["colliding_records"] += 2
+                    self._unindex(old)
+                    continue
+            self._index(r)
+
     def _read_exact(self, fd: int, offset: int, length: int) -> bytes:
         out = bytearray()
         while len(out) < length:
@@ -378,8 +434,11 @@ class PersistentStore:
     def _load_segment(self, name: str, seq: int, uuid: bytes):
         path = self.path / name
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = _files.open_regular(path, os.O_RDONLY)
         except FileNotFoundError:
+            return None
+        except _files.NotRegularFileError as e:
+            self._unusable(name, e)
             return None
         try:
             size = os.fstat(fd).st_size
@@ -435,13 +494,21 @@ class PersistentStore:
         entries, keys = sf.decode_footer(data)
         if len(entries) != trailer.record_count or len(entries) != hdr.record_count:
             raise sf.FormatError("footer record count disagrees with header/trailer")
+        if any(len(k) > sf.MAX_KEY_BYTES for k in keys):
+            raise sf.FormatError("footer: a key longer than any cache key")
         key_ids = [self._key_id(k) for k in keys]
+        T, P = self.identity.block_tokens, self.identity.block_bytes
         rows = []
         for e in entries:
             off, rbytes = int(e["offset"]), int(e["record_bytes"])
             padded = _io.align_up(rbytes)
             if off % sf.PAGE or off < sf.PAGE or off + padded > trailer.footer_offset:
                 raise sf.FormatError("footer entry points outside the record area")
+            kb = len(keys[int(e["key_index"])])
+            if int(e["token_count"]) != T or rbytes != sf.record_geometry(T, kb, P)[1]:
+                raise sf.FormatError("footer entry's token count or size does not fit this store's blocks")
+            if not sf.valid_record_id(int(e["record_id"])) or int(e["parent_id"]) > sf.MAX_RECORD_ID:
+                raise sf.FormatError("footer entry has a record id out of range")
             hb = int(e["hash_bytes"])
             rows.append(_Rec(int(e["record_id"]), int(e["parent_id"]), seg, off, padded,
                              int(e["block_index"]), int(e["created_ns"]), key_ids[int(e["key_index"])],
@@ -460,6 +527,14 @@ class PersistentStore:
                 off += sf.PAGE  # resynchronise on the next page
                 continue
             rbytes, kb, tc = int(h["record_bytes"]), int(h["key_bytes"]), int(h["token_count"])
+            # Every field is bounded before it sizes a read: a crafted header with a valid
+            # CRC must not make recovery read gigabytes.
+            T, P = self.identity.block_tokens, self.identity.block_bytes
+            if (tc != T or kb > sf.MAX_KEY_BYTES or int(h["payload_bytes"]) != P
+                    or rbytes != sf.record_geometry(T, kb, P)[1] or not sf.valid_record_id(int(h["record_id"]))
+                    or int(h["parent_id"]) > sf.MAX_RECORD_ID):
+                off += sf.PAGE
+                continue
             padded = _io.align_up(rbytes)
             if off + padded > size:
                 break  # truncated: the reads would come up short, so it is not indexed
@@ -476,17 +551,44 @@ class PersistentStore:
     def _replay_journal(self) -> set[int]:
         jpath = self.path / sf.JOURNAL_NAME
         deleted: set[int] = set()
-        data = jpath.read_bytes() if jpath.exists() else b""
-        entries, valid = sf.decode_journal(data)
-        self.counts["journal_torn_bytes"] = len(data) - valid
-        self._apply_journal(entries, deleted)
-        if self.mode == "w":
-            fd = os.open(jpath, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            if valid != len(data):
+        flags = os.O_RDWR | os.O_CREAT if self.mode == "w" else os.O_RDONLY
+        try:
+            fd = _files.open_regular(jpath, flags)
+        except FileNotFoundError:
+            fd = None
+        try:
+            data = self._read_all(fd) if fd is not None else b""
+            entries, valid = sf.decode_journal(data)
+            self.counts["journal_torn_bytes"] = len(data) - valid
+            self._apply_journal(entries, deleted)
+            if self.mode == "w" and valid != len(data):
                 os.ftruncate(fd, valid)  # drop the torn tail so new entries stay aligned
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        if self.mode == "w":
             self._journal_fd = fd
+        elif fd is not None:
+            os.close(fd)
         self._journal_pos = valid
         return deleted
+
+    @staticmethod
+    def _read_all(fd: int) -> bytes:
+        parts = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+
+    def _unusable(self, name: str, e: OSError) -> None:
+        """A name in the store that cannot be one of its files (a link, FIFO, directory):
+        skipped, counted, and reported by stats and verify."""
+        self.counts["unusable_files"] += 1
+        self.unusable.append(f"{name}: {e.strerror or e}")
+        log.warning("%s", e.strerror or e)
 
     def _apply_journal(self, entries, deleted: set[int]) -> None:
         for kind, rid, t, aux in entries:
@@ -633,7 +735,12 @@ class PersistentStore:
 
     def _seg_fd(self, seg: _Seg) -> int:
         if seg.fd is None:
-            f = self._eng.open(self.path / seg.name, os.O_RDONLY, direct=self.direct)
+            path = self.path / seg.name
+            f = self._eng.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, direct=self.direct)
+            if not stat.S_ISREG(os.fstat(f.fd).st_mode):  # replaced since it was indexed
+                os.close(f.fd)
+                raise FileNotFoundError(errno.ENOENT, f"{path} is no longer a regular file")
+            os.set_blocking(f.fd, True)
             seg.fd, seg.direct = f.fd, f.direct
             self._direct_seen = f.direct
         return seg.fd
@@ -672,7 +779,7 @@ class PersistentStore:
                 if r is not None and r.seg.uuid not in fds:
                     try:
                         fds[r.seg.uuid] = self._seg_fd(r.seg)
-                    except FileNotFoundError:
+                    except (FileNotFoundError, OSError):  # gone, or a link/FIFO in its place
                         fds[r.seg.uuid] = None
         for i, r in enumerate(recs):
             fd = None if r is None else fds[r.seg.uuid]
@@ -732,12 +839,30 @@ class PersistentStore:
             recs = [self._recs.get(rid) for rid in rids]
             self._active_reads += 1
         try:
-            status, item, _ = self._read_checked(recs, tokens, key, out)
+            status, item, where = self._read_checked(recs, tokens, key, out)
+            view = item[1]
+            self._check_parents(recs, status, lambda i: view[where[i]: where[i] + sf.REC_HEADER_BYTES]
+                                .view(sf.REC_DTYPE)[0])
             self._put_staging(item)
         finally:
             self._end_read()
         self._settle(rids, recs, status, t0)
         return status
+
+    def _check_parents(self, recs: list, status: list[str], header: Callable[[int], np.void]) -> None:
+        """Every read checks the link to the parent: the record's parent_hash (from its
+        verified header, header(i)) must be the block hash of the record the index holds
+        under its parent id. Ids alone are not enough: two stores merged into one
+        directory reuse ids, and a chain must never continue into the other store's
+        records. A mismatch is status "chain" (removed like corruption)."""
+        with self._lock:
+            for i, r in enumerate(recs):
+                if status[i] != "ok" or r is None or not r.parent:
+                    continue
+                p = self._recs.get(r.parent)
+                h = header(i)
+                if p is None or bytes(h["parent_hash"])[: int(h["hash_bytes"])] != p.hash:
+                    status[i] = "chain"
 
     def _settle(self, rids, recs, status, t0) -> None:
         """Counts a batch's outcome and removes what failed verification (never the
@@ -782,6 +907,8 @@ class PersistentStore:
             with self._lock:
                 f = self._gds_files.get(seg.uuid)
                 if f is None:
+                    if not path.is_file() or path.is_symlink():
+                        return 0, errno.ENOENT
                     try:
                         f = self._gds_files[seg.uuid] = _io._io.GdsFile(str(path), False)
                     except RuntimeError:
@@ -789,7 +916,10 @@ class PersistentStore:
             n = f.read(staging, size, file_off, dev_off)
             return (n, 0) if n >= 0 else (0, -n if -n < 5000 else errno.EIO)
         with self._lock:
-            fd = self._seg_fd(seg)
+            try:
+                fd = self._seg_fd(seg)
+            except OSError:
+                return 0, errno.ENOENT
         [(done, err)] = self._eng.pread([(fd, file_off, size, staging.numpy(), dev_off)])
         return done, err
 
@@ -862,9 +992,12 @@ class PersistentStore:
         specs = [(k * head_bytes, recs[i].padded, recs[i].rid, recs[i].parent, recs[i].block_index, recs[i].hash,
                   i, crcs[k], got[i]) for k, i in enumerate(live)]
         codes = _io._io.check_heads(heads.reshape(-1), specs, tokens, key, P, head_bytes)
-        for k, (i, code) in enumerate(zip(live, codes)):
+        for i, code in zip(live, codes):
             status[i] = _RECORD_STATUS[code]
-            if code == 0:
+        row = {i: k for k, i in enumerate(live)}
+        self._check_parents(recs, status, lambda i: hdr[row[i]])
+        for k, i in enumerate(live):
+            if status[i] == "ok":
                 po = int(hdr["payload_offset"][k])
                 dst[i].copy_(staging[where[i] + po: where[i] + po + P], non_blocking=True)
         self._settle(rids, recs, status, t0)
@@ -968,7 +1101,7 @@ class PersistentStore:
             raise ValueError("hashes are at most 32 bytes")
         with self._lock:
             if parent and parent not in self._recs and parent not in self._pending_rids:
-                raise KeyError(f"parent record {parent} is neither stored nor queued")
+                raise MissingParentError(f"parent record {parent} is neither stored nor queued")
             rid = self._next_rid
             self._next_rid += 1
             self._pending.append(_Pending(rid, parent, block_index, block_hash, parent_hash, tokens,
@@ -1065,7 +1198,7 @@ class PersistentStore:
         self._next_seq += 1
         name = sf.segment_name(seq, uuid)
         tmp = self.path / f".tmp-{name}"
-        f = self._eng.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, direct=self.direct)
+        f = self._eng.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, direct=self.direct)
         published = False
         in_flight = None  # (future, staging item) of the chunk being written
         try:
@@ -1368,7 +1501,7 @@ class PersistentStore:
                       if r.atime_ns != r.created_ns]
             data = b"".join(parts)
             tmp = self.path / (sf.JOURNAL_NAME + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = _files.create_exclusive(tmp)
             try:
                 os.write(fd, data)
                 os.fsync(fd)
@@ -1377,7 +1510,7 @@ class PersistentStore:
             os.replace(tmp, self.path / sf.JOURNAL_NAME)
             self._fsync_dir()
             os.close(self._journal_fd)
-            self._journal_fd = os.open(self.path / sf.JOURNAL_NAME, os.O_RDWR | os.O_CLOEXEC)
+            self._journal_fd = _files.open_regular(self.path / sf.JOURNAL_NAME, os.O_RDWR)
             self._journal_pos = len(data)
 
     # ---- full verification (dsv41 cache verify) -----------------------------------------
@@ -1394,6 +1527,12 @@ class PersistentStore:
         total = sum(r.padded for r in recs)
         report = {"records": len(recs), "bytes": total, "ok": 0, "failed": {}, "failed_records": [],
                   "damaged_segments": sum(1 for s in self._segs.values() if s.damaged),
+                  # Problems found while opening: segments of another store (a manifest
+                  # rewritten for another model makes every segment foreign), names that are
+                  # links, FIFOs or directories, record ids claimed by two different records.
+                  "foreign_segments": self.counts["foreign_segments"],
+                  "unusable_files": list(self.unusable),
+                  "colliding_records": self.counts["colliding_records"],
                   "hash_checked": self.hash_fn is not None}
         done_bytes = 0
         i = 0
@@ -1482,16 +1621,17 @@ class PersistentStore:
                                 self._unindex(self._recs[rid])
                         self._retire([old], unlink=False)
                 self._segs[seg.uuid] = seg
-                for r in rows:
-                    if r.rid in self._recs:
-                        self._unindex(self._recs[r.rid])
-                    self._index(r)
+                self._add_rows(rows)
                 added += 1
-            jpath = self.path / sf.JOURNAL_NAME
             try:
-                data = jpath.read_bytes()
+                fd = _files.open_regular(self.path / sf.JOURNAL_NAME, os.O_RDONLY)
             except FileNotFoundError:
                 data = b""
+            else:
+                try:
+                    data = self._read_all(fd)
+                finally:
+                    os.close(fd)
             if len(data) < self._journal_pos:
                 self._journal_pos = 0  # the writer rewrote it
             entries, valid = sf.decode_journal(data[self._journal_pos:])
@@ -1540,6 +1680,7 @@ class PersistentStore:
                 "degraded": self.degraded_reason if self.degraded else None,
                 "recovery_seconds": self.recovery_seconds,
                 "recovery": dict(self.counts),
+                "unusable_files": list(self.unusable),
                 "io": self._eng.counters(),
             }
         return out

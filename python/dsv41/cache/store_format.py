@@ -41,7 +41,8 @@ __all__ = ["STORE_FORMAT_VERSION", "PAGE", "REC_MAGIC", "REC_HEADER", "REC_HEADE
            "J_ACCESS", "J_DELETE", "J_WATERMARK", "encode_segment_header", "decode_segment_header",
            "encode_trailer", "decode_trailer", "encode_footer", "decode_footer", "encode_journal",
            "decode_journal", "MANIFEST_NAME", "LOCK_NAME", "JOURNAL_NAME", "segment_name",
-           "parse_segment_name", "manifest_checksum", "FormatError"]
+           "parse_segment_name", "manifest_checksum", "FormatError", "MAX_RECORD_ID", "MAX_KEY_BYTES",
+           "MAX_SEGMENT_SEQ", "valid_record_id"]
 
 STORE_FORMAT_VERSION = 1
 PAGE = _io.ALIGN  # 4096
@@ -72,6 +73,17 @@ REC_DTYPE = np.dtype([
     ("record_bytes", "<u4"), ("hash_bytes", "u1"), ("_r0", "V7"), ("block_hash", "V32"),
     ("parent_hash", "V32"), ("_r1", "V112"), ("data_crc", "<u4"), ("header_crc", "<u4")])
 assert REC_DTYPE.itemsize == REC_HEADER_BYTES
+
+
+# Bounds on header fields, checked before a field sizes a read or an allocation. Record ids
+# stay below 2^63 so that "the next id" always fits the u64 fields.
+MAX_RECORD_ID = (1 << 63) - 1
+MAX_KEY_BYTES = 1 << 16
+MAX_SEGMENT_SEQ = 10 ** 12 - 1  # segment names hold 12 digits
+
+
+def valid_record_id(rid: int) -> bool:
+    return 0 < rid <= MAX_RECORD_ID
 
 
 def record_geometry(token_count: int, key_bytes: int, payload_bytes: int) -> tuple[int, int, int]:
@@ -254,8 +266,9 @@ def decode_journal(data: bytes) -> tuple[list[tuple[int, int, int, int]], int]:
         if _io.crc32c(e[4:]) != crc:
             return out, i * 32
         _, kind, rid, t, aux = JOURNAL_ENTRY.unpack(e)
-        if kind not in (J_ACCESS, J_DELETE, J_WATERMARK):
-            return out, i * 32
+        if kind not in (J_ACCESS, J_DELETE, J_WATERMARK) or not valid_record_id(rid) \
+                or (kind == J_WATERMARK and aux > MAX_SEGMENT_SEQ):
+            return out, i * 32  # out-of-range ids are damage, like a bad checksum
         out.append((kind, rid, t, aux))
     return out, n * 32
 
