@@ -88,7 +88,7 @@ def _fail(msg: str) -> None:
 
 def _open(path: str, mode: str, **kw):
     from .hashing import sha256
-    from .persistent import PersistentStore
+    from .store import PersistentStore
 
     if not os.path.isdir(path):  # the tools never create a store (the writer mode would)
         what = "does not exist" if not os.path.lexists(path) else "is not a directory"

@@ -36,7 +36,7 @@ from .global_pool import GlobalKVPool
 from .hashing import BlockHasher, CacheKey, HashFn, as_token_array, model_fingerprint, sha256
 from .layout import DEFAULT_BLOCK_TOKENS, PAYLOAD_FORMAT_VERSION, BlockLayout
 from .metrics import CacheMetrics
-from .persistent import DEFAULT_SEGMENT_BYTES, DEFAULT_TTL_S, PersistentStore, StoreIdentity
+from .store import DEFAULT_SEGMENT_BYTES, DEFAULT_TTL_S, PersistentStore, StoreIdentity
 from .swa_pool import DEFAULT_TTL_S as SWA_TTL_S
 from .swa_pool import SwaSnapshot, SwaSnapshotPool
 

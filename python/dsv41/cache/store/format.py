@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import io as _io
+from .. import io as _io
 
 __all__ = ["STORE_FORMAT_VERSION", "PAGE", "REC_MAGIC", "REC_HEADER", "REC_HEADER_BYTES", "REC_DTYPE",
            "record_geometry", "SEG_MAGIC", "SEG_TRAILER_MAGIC", "FOOTER_DTYPE", "JOURNAL_ENTRY",
