@@ -17,12 +17,22 @@ global KV of all its full blocks is in the match, so resuming from it is exact.
 Admission to the SSD tier: with admit_after_hits = 0 (default) a block is written right
 after the prefill that computed it; with N > 0 only once it has been matched N times
 (sparing SSD wear for prompts that are never reused). The store holds whole prefixes only:
-a block is written only when the block before it is stored. Writes are synchronous, at the
-end of insert/match, outside the pool lock.
+a block is written only when the block before it is stored (or queued before it).
+
+SSD writes: with store_write_behind_bytes = 0 (default) insert/match commit their blocks
+before returning (outside the pool lock): what they wrote is acknowledged (durable with
+"fsync") when they return. With N > 0 they only queue the records and a background thread
+commits them, so the request does not wait for the SSD; at most N payload bytes wait in the
+queue (beyond that the request commits itself: backpressure, never unbounded memory).
+Then a block is acknowledged when flush() returns; a crash loses at most what was not yet
+acknowledged, never part of a record.
 """
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
+import weakref
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -42,6 +52,8 @@ from .swa_pool import SwaSnapshot, SwaSnapshotPool
 
 __all__ = ["CacheConfig", "PrefixMatch", "PrefixCache"]
 
+log = logging.getLogger("dsv41.cache")
+
 
 @dataclass
 class CacheConfig:
@@ -57,6 +69,7 @@ class CacheConfig:
     store_segment_bytes: int = DEFAULT_SEGMENT_BYTES
     store_on_mismatch: str = "error"          # or "empty"
     store_direct_io: bool = True
+    store_write_behind_bytes: int = 0         # > 0: a background thread commits SSD writes (see above)
     admit_after_hits: int = 0
     hash_fn: HashFn = sha256
     hash_name: str = "sha256"
@@ -122,6 +135,9 @@ class PrefixCache:
                 on_mismatch=cc.store_on_mismatch, direct=cc.store_direct_io, io_threads=cc.io_threads,
                 clock=clock, metrics=self.metrics, hash_fn=cc.hash_fn, fault=store_fault)
         self._persist_lock = threading.Lock()
+        self._committer = None
+        if self.store is not None and cc.store_write_behind_bytes > 0:
+            self._committer = _BackgroundCommitter(self.store)
 
     @property
     def identity(self) -> StoreIdentity:
@@ -215,7 +231,7 @@ class PrefixCache:
         out = []
         for s in slots:
             rid = s.record_id
-            if rid is not None and rid not in self.store:
+            if rid is not None and not self.store.holds(rid):
                 s.record_id = rid = None
             out.append(rid)
         return out
@@ -313,7 +329,13 @@ class PrefixCache:
             if from_pool:
                 data = pool.read([m.block_ids[j] for j in from_pool], device="cpu")
                 pool_rows = {j: data[i] for i, j in enumerate(from_pool)}
-            host_new = new_payloads.cpu() if new_payloads is not None else None
+            host_new = None
+            if new_payloads is not None:
+                # The store reads payloads at commit time: a background commit must not see
+                # the caller's tensor change after insert() returned, so it gets a copy.
+                host_new = new_payloads.cpu()
+                if self._committer is not None and host_new.data_ptr() == new_payloads.data_ptr():
+                    host_new = host_new.clone()
             root = self.hasher.root(m.key)
             puts = []
             for j in todo:
@@ -328,12 +350,23 @@ class PrefixCache:
                     # next request that reaches it writes it again from its root.
                     break
                 puts.append((j, parent))
-            res = store.commit()
-            done = set(res.persisted)
+            # A block knows its record as soon as it is queued: the next request extends
+            # the chain from it instead of writing it again. A record the commit drops is
+            # then a stale id, forgotten by _stored_records.
             with pool.lock:
                 for j, rid in puts:
-                    if rid in done and j < len(slots):
+                    if j < len(slots):
                         slots[j].record_id = rid
+            cap = self.cache_config.store_write_behind_bytes
+            if self._committer is not None and store.pending_bytes <= cap:
+                self._committer.kick()
+                return
+        res = store.commit()
+        done = set(res.persisted)
+        with pool.lock:
+            for j, rid in puts:
+                if rid not in done and j < len(slots) and slots[j].record_id == rid:
+                    slots[j].record_id = None
 
     # ---- snapshots, release, access -----------------------------------------------------
 
@@ -367,12 +400,58 @@ class PrefixCache:
         out["metrics"] = m.to_dict()
         return out
 
+    def flush(self) -> None:
+        """Waits until every block queued for the SSD tier is committed: durable (with
+        "fsync") or dropped. With store_write_behind_bytes > 0 this is when they are
+        acknowledged; without it insert/match already waited."""
+        if self.store is not None and self.store.writable:
+            self.store.commit()
+
     def close(self) -> None:
+        if self._committer is not None:
+            self._committer.stop()
         if self.store is not None:
-            self.store.close()
+            self.store.close()  # commits what is still queued
 
     def __enter__(self) -> "PrefixCache":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _BackgroundCommitter:
+    """One thread that commits what requests queued in the store, so SSD writes leave the
+    request path. kick() after queueing; commits are serialized by the store's write lock,
+    so flush() (a commit from the caller's thread) waits for one in flight."""
+
+    def __init__(self, store: PersistentStore):
+        self.store = store
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="dsv41-cache-commit", daemon=True)
+        self._thread.start()
+        # At interpreter exit a cache nobody closed stops its thread first (the store's own
+        # finalizer then commits what is queued); a weak reference keeps it collectable.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (c := ref()) is not None and c.stop())
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stopping:
+                return  # the store's close() commits what is left
+            try:
+                self.store.commit()  # I/O errors degrade the tier inside; this is for bugs
+            except Exception:  # noqa: BLE001 - a background thread must not die silently
+                log.exception("background commit of the SSD tier failed")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()

@@ -139,7 +139,8 @@ class PersistentStore:
         self._segs: dict[bytes, SegmentFile] = {}
         self._ix = RecordIndex()
         self._pending: list[PendingRecord] = []
-        self._pending_rids: set[int] = set()
+        self._pending_rids: set[int] = set()  # queued, or in a commit that has not returned yet
+        self._pending_bytes = 0
         self._next_rid = 1
         self._next_seq = 1
         self._active_reads = 0
@@ -502,7 +503,19 @@ class PersistentStore:
             self._pending.append(PendingRecord(rid, parent, block_index, block_hash, parent_hash, tokens,
                                                bytes(key), view))
             self._pending_rids.add(rid)
+            self._pending_bytes += view.size
         return rid
+
+    def holds(self, rid: int) -> bool:
+        """Whether record `rid` is stored, or queued for (or being written by) a commit:
+        then it can be the parent of a put()."""
+        with self._lock:
+            return rid in self._ix.recs or rid in self._pending_rids
+
+    @property
+    def pending_bytes(self) -> int:
+        """Payload bytes put() and not yet taken by a commit."""
+        return self._pending_bytes
 
     def commit(self) -> CommitResult:
         """Writes the queued records (segments of at most segment_bytes), makes them durable
@@ -512,59 +525,68 @@ class PersistentStore:
         with self._write_lock:
             with self._lock:
                 pending, self._pending = self._pending, []
-                self._pending_rids = set()
-            res = CommitResult()
-            if not pending:
-                return res
-            if self.degraded:
-                res.dropped = [p.rid for p in pending]
-                res.error = self.degraded_reason
-                self.metrics.persist_failures.inc(cause="degraded")
-                return res
-            t0 = time.perf_counter()
-            groups, cur, cur_bytes = [], [], sf.PAGE * 3
-            for p in pending:
-                padded = sf.record_geometry(p.tokens.size, len(p.key), p.payload.size)[2]
-                if cur and cur_bytes + padded + 128 > self.segment_bytes:
-                    groups.append(cur)
-                    cur, cur_bytes = [], sf.PAGE * 3
-                cur.append(p)
-                cur_bytes += padded + 128
-            groups.append(cur)
-            failed_at = None
-            for gi, g in enumerate(groups):
-                # A record whose parent is gone (dropped, or deleted since put) cannot be
-                # stored: the store holds whole prefixes only. Parents come before children.
-                alive, ok_rids = [], set()
+                self._pending_bytes = 0
+            try:
+                return self._commit(pending)
+            finally:
+                # Only now are these records stored (or dropped): until here a put() may
+                # still name them as parents.
                 with self._lock:
-                    for p in g:
-                        if not p.parent or p.parent in self._ix.recs or p.parent in ok_rids:
-                            alive.append(p)
-                            ok_rids.add(p.rid)
-                        else:
-                            res.dropped.append(p.rid)
-                if not alive:
-                    continue
-                try:
-                    res.bytes_written += _writer.write_segment(self, alive, supersedes=[])
-                    res.persisted += [p.rid for p in alive]
-                except OSError as e:
-                    failed_at = gi
-                    res.dropped += [p.rid for p in alive]
-                    self._degrade(e)
-                    res.error = self.degraded_reason
-                    break
-            if failed_at is not None:
-                for g in groups[failed_at + 1:]:
-                    res.dropped += [p.rid for p in g]
-            self.metrics.ssd_commit_seconds.observe(time.perf_counter() - t0)
-            self.metrics.bytes_written.inc(res.bytes_written, tier="ssd")
-            self.metrics.inserted_blocks.inc(len(res.persisted), tier="ssd")
-            self._journal.flush()
-            if self.capacity_bytes is not None and self.file_bytes() > self.capacity_bytes:
-                self.gc()
-            self._update_gauges()
+                    self._pending_rids.difference_update(p.rid for p in pending)
+
+    def _commit(self, pending: list[PendingRecord]) -> CommitResult:
+        res = CommitResult()
+        if not pending:
             return res
+        if self.degraded:
+            res.dropped = [p.rid for p in pending]
+            res.error = self.degraded_reason
+            self.metrics.persist_failures.inc(cause="degraded")
+            return res
+        t0 = time.perf_counter()
+        groups, cur, cur_bytes = [], [], sf.PAGE * 3
+        for p in pending:
+            padded = sf.record_geometry(p.tokens.size, len(p.key), p.payload.size)[2]
+            if cur and cur_bytes + padded + 128 > self.segment_bytes:
+                groups.append(cur)
+                cur, cur_bytes = [], sf.PAGE * 3
+            cur.append(p)
+            cur_bytes += padded + 128
+        groups.append(cur)
+        failed_at = None
+        for gi, g in enumerate(groups):
+            # A record whose parent is gone (dropped, or deleted since put) cannot be
+            # stored: the store holds whole prefixes only. Parents come before children.
+            alive, ok_rids = [], set()
+            with self._lock:
+                for p in g:
+                    if not p.parent or p.parent in self._ix.recs or p.parent in ok_rids:
+                        alive.append(p)
+                        ok_rids.add(p.rid)
+                    else:
+                        res.dropped.append(p.rid)
+            if not alive:
+                continue
+            try:
+                res.bytes_written += _writer.write_segment(self, alive, supersedes=[])
+                res.persisted += [p.rid for p in alive]
+            except OSError as e:
+                failed_at = gi
+                res.dropped += [p.rid for p in alive]
+                self._degrade(e)
+                res.error = self.degraded_reason
+                break
+        if failed_at is not None:
+            for g in groups[failed_at + 1:]:
+                res.dropped += [p.rid for p in g]
+        self.metrics.ssd_commit_seconds.observe(time.perf_counter() - t0)
+        self.metrics.bytes_written.inc(res.bytes_written, tier="ssd")
+        self.metrics.inserted_blocks.inc(len(res.persisted), tier="ssd")
+        self._journal.flush()
+        if self.capacity_bytes is not None and self.file_bytes() > self.capacity_bytes:
+            self.gc()
+        self._update_gauges()
+        return res
 
     def _degrade(self, e: OSError, retry_after_s: float = 30.0) -> None:
         cause = "no_space" if e.errno in _NO_SPACE else "io_error"
