@@ -69,6 +69,48 @@ def bench_store(args, out: dict) -> None:
     out["store"] = {}
     for chain_tokens in args.chain_tokens:
         bench_store_one(args, chain_tokens, out["store"])
+    out["store_request_path"] = {}
+    for chain_tokens in args.chain_tokens:
+        bench_request_path(args, chain_tokens, out["store_request_path"])
+
+
+def bench_request_path(args, chain_tokens: int, results: dict) -> None:
+    """How long PrefixCache.insert of a new prefix keeps the request waiting: SSD writes
+    in the call (store_write_behind_bytes=0) against the background writer (the request
+    only queues; flush() then waits for the acknowledgement). Same prompts, same disk."""
+    cfg = ModelConfig.preset(args.preset)
+    layout = BlockLayout(cfg, args.block_tokens)
+    P, nb = layout.block_bytes, chain_tokens // args.block_tokens
+    n = max(2, min(16, args.store_mb * (1 << 20) // (P * nb)))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, chain_tokens).astype("<u4") for _ in range(n)]
+    payload = torch.from_numpy(rng.integers(0, 256, (nb, P), dtype=np.uint8))
+    res = results[str(chain_tokens)] = {"prompts": n, "blocks_per_prompt": nb, "payload_bytes": n * nb * P}
+    for name, behind in (("synchronous", 0), ("write_behind", 1 << 30)):
+        root = Path(tempfile.mkdtemp(prefix="dsv41-bench-", dir=args.dir))
+        try:
+            cache = PrefixCache(cfg, CacheConfig(block_tokens=args.block_tokens, device="cpu", swa_capacity_bytes=0,
+                                                 gpu_capacity_bytes=(n * nb + 8) * P, store_dir=str(root / "s"),
+                                                 store_write_behind_bytes=behind, io_threads=args.threads))
+            per = []
+            t_all = time.perf_counter()
+            for p in prompts:
+                t0 = time.perf_counter()
+                cache.release(cache.insert(p, payload))
+                per.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            cache.flush()
+            t_flush = time.perf_counter() - t0
+            total = time.perf_counter() - t_all
+            assert len(cache.store) == n * nb
+            cache.close()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        res[name] = {"insert_median_ms": statistics.median(per) * 1e3, "insert_max_ms": max(per) * 1e3,
+                     "flush_ms": t_flush * 1e3, "acknowledged_gbps": n * nb * P / total / 1e9}
+        log(f"request path {chain_tokens} tokens, {name}: insert median {res[name]['insert_median_ms']:.1f} ms, "
+            f"max {res[name]['insert_max_ms']:.1f} ms; flush {t_flush * 1e3:.1f} ms")
+    res["insert_speedup"] = res["synchronous"]["insert_median_ms"] / res["write_behind"]["insert_median_ms"]
 
 
 def bench_store_one(args, chain_tokens: int, results: dict) -> None:
