@@ -7,6 +7,10 @@
              thread count (engine batches of 1 MiB / 4 MiB ops on all threads, or one thread of
              sequential 1 MiB ops, each with one fsync for writes): a ratio above 1 would mean
              a weak baseline. Targets: verified reads and fsync'ed writes >= 0.8 x raw.
+  request    PrefixCache.insert latency of a new 4K / 64K-token prefix with SSD writes in the
+             call (synchronous) against the bounded background writer (write-behind), with
+             requests back to back and spaced; flush() is when write-behind blocks are
+             acknowledged.
   lookup     PrefixCache.match latency and lookups/s for prefixes of 1K .. 1M tokens, all in
              the GPU pool (host memory here); the time per block must not grow with length.
   snapshot   SwaSnapshotPool put/get of a v41-flash-sized SWA snapshot against a plain copy
@@ -15,7 +19,7 @@
              contiguous buffer of the same size, and GDS reads where cuFile is available.
 
     python bench/bench_cache.py --json out.json            # everything that runs here
-    python bench/bench_cache.py --only store --store-mb 512
+    python bench/bench_cache.py --only store --only request --store-mb 128
     python bench/bench_cache.py --device cuda              # adds the device section
 
 Numbers on shared machines move from run to run: read the ratios.
@@ -69,6 +73,9 @@ def bench_store(args, out: dict) -> None:
     out["store"] = {}
     for chain_tokens in args.chain_tokens:
         bench_store_one(args, chain_tokens, out["store"])
+
+
+def bench_request(args, out: dict) -> None:
     out["store_request_path"] = {}
     for chain_tokens in args.chain_tokens:
         bench_request_path(args, chain_tokens, out["store_request_path"])
@@ -77,7 +84,10 @@ def bench_store(args, out: dict) -> None:
 def bench_request_path(args, chain_tokens: int, results: dict) -> None:
     """How long PrefixCache.insert of a new prefix keeps the request waiting: SSD writes
     in the call (store_write_behind_bytes=0) against the background writer (the request
-    only queues; flush() then waits for the acknowledgement). Same prompts, same disk."""
+    only queues; flush() then waits for the acknowledgement). Same prompts, same disk.
+    Requests arrive back to back (the background commit competes with the next request
+    for the CPU) and spaced by args.gap_ms (it has finished: the latency a request sees
+    when the SSD, not the CPU, is the bottleneck)."""
     cfg = ModelConfig.preset(args.preset)
     layout = BlockLayout(cfg, args.block_tokens)
     P, nb = layout.block_bytes, chain_tokens // args.block_tokens
@@ -86,31 +96,34 @@ def bench_request_path(args, chain_tokens: int, results: dict) -> None:
     prompts = [rng.integers(0, cfg.vocab_size, chain_tokens).astype("<u4") for _ in range(n)]
     payload = torch.from_numpy(rng.integers(0, 256, (nb, P), dtype=np.uint8))
     res = results[str(chain_tokens)] = {"prompts": n, "blocks_per_prompt": nb, "payload_bytes": n * nb * P}
-    for name, behind in (("synchronous", 0), ("write_behind", 1 << 30)):
+    for name, behind, gap in (("synchronous", 0, 0.0), ("write_behind", 1 << 30, 0.0),
+                              ("synchronous_spaced", 0, args.gap_ms / 1e3),
+                              ("write_behind_spaced", 1 << 30, args.gap_ms / 1e3)):
         root = Path(tempfile.mkdtemp(prefix="dsv41-bench-", dir=args.dir))
         try:
             cache = PrefixCache(cfg, CacheConfig(block_tokens=args.block_tokens, device="cpu", swa_capacity_bytes=0,
                                                  gpu_capacity_bytes=(n * nb + 8) * P, store_dir=str(root / "s"),
                                                  store_write_behind_bytes=behind, io_threads=args.threads))
             per = []
-            t_all = time.perf_counter()
             for p in prompts:
                 t0 = time.perf_counter()
                 cache.release(cache.insert(p, payload))
                 per.append(time.perf_counter() - t0)
+                time.sleep(gap)
             t0 = time.perf_counter()
             cache.flush()
             t_flush = time.perf_counter() - t0
-            total = time.perf_counter() - t_all
             assert len(cache.store) == n * nb
             cache.close()
         finally:
             shutil.rmtree(root, ignore_errors=True)
         res[name] = {"insert_median_ms": statistics.median(per) * 1e3, "insert_max_ms": max(per) * 1e3,
-                     "flush_ms": t_flush * 1e3, "acknowledged_gbps": n * nb * P / total / 1e9}
+                     "flush_ms": t_flush * 1e3, "gap_ms": gap * 1e3}
         log(f"request path {chain_tokens} tokens, {name}: insert median {res[name]['insert_median_ms']:.1f} ms, "
             f"max {res[name]['insert_max_ms']:.1f} ms; flush {t_flush * 1e3:.1f} ms")
-    res["insert_speedup"] = res["synchronous"]["insert_median_ms"] / res["write_behind"]["insert_median_ms"]
+    for kind in ("", "_spaced"):
+        res["insert_speedup" + kind] = (res["synchronous" + kind]["insert_median_ms"]
+                                        / res["write_behind" + kind]["insert_median_ms"])
 
 
 def bench_store_one(args, chain_tokens: int, results: dict) -> None:
@@ -416,7 +429,7 @@ def bench_device(args, out: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH", help="also write the results here")
-    p.add_argument("--only", choices=["store", "lookup", "snapshot", "device"], action="append",
+    p.add_argument("--only", choices=["store", "request", "lookup", "snapshot", "device"], action="append",
                    help="run only these sections (repeatable)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda adds the device section")
     p.add_argument("--dir", default=None, help="folder on the disk to measure (default: the temp dir)")
@@ -431,8 +444,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-lookup-tokens", type=int, default=1 << 20)
     p.add_argument("--device-blocks", type=int, default=2048)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--gap-ms", type=float, default=300.0, help="request section: spacing of spaced arrivals")
     args = p.parse_args(argv)
-    sections = args.only or ["store", "lookup", "snapshot"] + (["device"] if args.device == "cuda" else [])
+    sections = args.only or ["store", "request", "lookup", "snapshot"] + (["device"] if args.device == "cuda" else [])
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
@@ -442,7 +456,7 @@ def main(argv=None) -> int:
            "cpus": os.cpu_count(), "torch": torch.__version__, "dsv41": dsv41.__version__,
            "io": cio.io_info(), "args": vars(args)}
     for name in sections:
-        {"store": bench_store, "lookup": bench_lookup, "snapshot": bench_snapshot, "device": bench_device}[name](args, out)
+        {"store": bench_store, "request": bench_request, "lookup": bench_lookup, "snapshot": bench_snapshot, "device": bench_device}[name](args, out)
     text = json.dumps(out, indent=2, default=str)
     print(text)
     if args.json:

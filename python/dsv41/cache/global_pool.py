@@ -197,8 +197,12 @@ class GlobalKVPool:
                 out.append(bid)
                 parent = bid
             if fresh:
-                rows = torch.as_tensor([r for _, r in fresh], dtype=torch.long, device=payloads.device)
-                self.write([b for b, _ in fresh], payloads[rows])  # not index_select: see read()
+                rows = [r for _, r in fresh]
+                if rows == list(range(payloads.shape[0])):
+                    src = payloads  # every row is new, in order: no gather copy
+                else:  # advanced indexing, not index_select: see read()
+                    src = payloads[torch.as_tensor(rows, dtype=torch.long, device=payloads.device)]
+                self.write([b for b, _ in fresh], src)
         return out
 
     def _allocate(self) -> int:

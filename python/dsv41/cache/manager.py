@@ -32,8 +32,8 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-import weakref
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -361,11 +361,10 @@ class PrefixCache:
             if self._committer is not None and store.pending_bytes <= cap:
                 self._committer.kick()
                 return
-        res = store.commit()
-        done = set(res.persisted)
+        store.commit()  # may be another thread's commit that takes these records: same result
         with pool.lock:
-            for j, rid in puts:
-                if rid not in done and j < len(slots) and slots[j].record_id == rid:
+            for j, rid in puts:  # dropped (disk full): forget the ids now, not at the next use
+                if j < len(slots) and slots[j].record_id == rid and not store.holds(rid):
                     slots[j].record_id = None
 
     # ---- snapshots, release, access -----------------------------------------------------

@@ -23,10 +23,11 @@ from .index import SegmentFile
 if TYPE_CHECKING:
     from .store import PersistentStore
 
-__all__ = ["read", "read_checked", "read_into", "check_parents", "settle", "group_records"]
+__all__ = ["load", "read", "read_checked", "read_into", "check_parents", "settle", "group_records"]
 
 log = logging.getLogger("dsv41.cache.store")
 
+READ_BATCH = 64 << 20  # payload bytes one load() reads per call
 GROUP_BYTES = 512 << 10  # contiguous records read by one op (several ops keep every I/O thread busy)
 RECORD_STATUS = _io.RECORD_STATUS  # "ok", "truncated", "header", "checksum", "collision"
 
@@ -262,3 +263,43 @@ def read(store: PersistentStore, rids: list[int], tokens: np.ndarray | None, key
         store._end_read()
     settle(store, rids, recs, status, t0)
     return status
+
+
+def load(store: PersistentStore, key: bytes, hashes: list[bytes], tokens: np.ndarray, out: np.ndarray | torch.Tensor | None,
+         parent: int = 0) -> list[int]:
+    """The longest verified chain for `hashes` (blocks whose token ids are the rows of
+    `tokens`) below record `parent`: copies payloads into the rows of `out` (a host
+    array, or a tensor on any device: see read_into) and returns the record ids. A record that is a collision or fails verification ends the chain
+    there, after any other candidate for that block has been tried."""
+    loaded: list[int] = []
+    exclude: set[int] = set()
+    per = max(1, READ_BATCH // _padded_guess(store))
+    i = 0
+    while i < len(hashes):
+        chain = store.walk(key, hashes[i:], loaded[-1] if loaded else parent, exclude)
+        if not chain:
+            break
+        stopped = False
+        for s in range(0, len(chain), per):
+            part = chain[s: s + per]
+            rows = None if out is None else out[i: i + len(part)]
+            if isinstance(out, torch.Tensor):
+                st = read_into(store, part, tokens[i: i + len(part)], key, rows)
+            else:
+                st = read(store, part, tokens[i: i + len(part)], key, rows)
+            k = next((j for j, x in enumerate(st) if x != "ok"), len(st))
+            loaded += part[:k]
+            i += k
+            if k < len(part):
+                exclude.add(part[k])  # then look for another candidate for block i
+                stopped = True
+                break
+        if not stopped:
+            break
+    if loaded:
+        store.touch(loaded)
+    return loaded
+
+
+def _padded_guess(store: PersistentStore) -> int:
+    return _io.align_up(store.identity.block_bytes + 4096)

@@ -65,7 +65,6 @@ log = logging.getLogger("dsv41.cache.store")
 DURABILITY = ("fsync", "none")
 DEFAULT_TTL_S = 72 * 3600.0
 DEFAULT_SEGMENT_BYTES = 128 << 20
-_READ_BATCH = 64 << 20
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -403,41 +402,9 @@ class PersistentStore:
 
     def load(self, key: bytes, hashes: list[bytes], tokens: np.ndarray, out: np.ndarray | torch.Tensor | None,
              parent: int = 0) -> list[int]:
-        """The longest verified chain for `hashes` (blocks whose token ids are the rows of
-        `tokens`) below record `parent`: copies payloads into the rows of `out` (a host
-        array, or a tensor on any device: see read_into) and returns the record ids. A record that is a collision or fails verification ends the chain
-        there, after any other candidate for that block has been tried."""
-        loaded: list[int] = []
-        exclude: set[int] = set()
-        per = max(1, _READ_BATCH // self._padded_guess())
-        i = 0
-        while i < len(hashes):
-            chain = self.walk(key, hashes[i:], loaded[-1] if loaded else parent, exclude)
-            if not chain:
-                break
-            stopped = False
-            for s in range(0, len(chain), per):
-                part = chain[s: s + per]
-                rows = None if out is None else out[i: i + len(part)]
-                if isinstance(out, torch.Tensor):
-                    st = self.read_into(part, tokens[i: i + len(part)], key, rows)
-                else:
-                    st = self.read(part, tokens[i: i + len(part)], key, rows)
-                k = next((j for j, x in enumerate(st) if x != "ok"), len(st))
-                loaded += part[:k]
-                i += k
-                if k < len(part):
-                    exclude.add(part[k])  # then look for another candidate for block i
-                    stopped = True
-                    break
-            if not stopped:
-                break
-        if loaded:
-            self.touch(loaded)
-        return loaded
-
-    def _padded_guess(self) -> int:
-        return _io.align_up(self.identity.block_bytes + 4096)
+        """The longest verified chain for `hashes` below record `parent`, payloads copied
+        into the rows of `out` (host array or tensor on any device): see reads.load."""
+        return _reads.load(self, key, hashes, tokens, out, parent)
 
     def touch(self, rids: list[int]) -> None:
         """Marks records as used now (LRU and TTL count from the last use)."""
@@ -527,66 +494,12 @@ class PersistentStore:
                 pending, self._pending = self._pending, []
                 self._pending_bytes = 0
             try:
-                return self._commit(pending)
+                return _writer.commit_pending(self, pending)
             finally:
                 # Only now are these records stored (or dropped): until here a put() may
                 # still name them as parents.
                 with self._lock:
                     self._pending_rids.difference_update(p.rid for p in pending)
-
-    def _commit(self, pending: list[PendingRecord]) -> CommitResult:
-        res = CommitResult()
-        if not pending:
-            return res
-        if self.degraded:
-            res.dropped = [p.rid for p in pending]
-            res.error = self.degraded_reason
-            self.metrics.persist_failures.inc(cause="degraded")
-            return res
-        t0 = time.perf_counter()
-        groups, cur, cur_bytes = [], [], sf.PAGE * 3
-        for p in pending:
-            padded = sf.record_geometry(p.tokens.size, len(p.key), p.payload.size)[2]
-            if cur and cur_bytes + padded + 128 > self.segment_bytes:
-                groups.append(cur)
-                cur, cur_bytes = [], sf.PAGE * 3
-            cur.append(p)
-            cur_bytes += padded + 128
-        groups.append(cur)
-        failed_at = None
-        for gi, g in enumerate(groups):
-            # A record whose parent is gone (dropped, or deleted since put) cannot be
-            # stored: the store holds whole prefixes only. Parents come before children.
-            alive, ok_rids = [], set()
-            with self._lock:
-                for p in g:
-                    if not p.parent or p.parent in self._ix.recs or p.parent in ok_rids:
-                        alive.append(p)
-                        ok_rids.add(p.rid)
-                    else:
-                        res.dropped.append(p.rid)
-            if not alive:
-                continue
-            try:
-                res.bytes_written += _writer.write_segment(self, alive, supersedes=[])
-                res.persisted += [p.rid for p in alive]
-            except OSError as e:
-                failed_at = gi
-                res.dropped += [p.rid for p in alive]
-                self._degrade(e)
-                res.error = self.degraded_reason
-                break
-        if failed_at is not None:
-            for g in groups[failed_at + 1:]:
-                res.dropped += [p.rid for p in g]
-        self.metrics.ssd_commit_seconds.observe(time.perf_counter() - t0)
-        self.metrics.bytes_written.inc(res.bytes_written, tier="ssd")
-        self.metrics.inserted_blocks.inc(len(res.persisted), tier="ssd")
-        self._journal.flush()
-        if self.capacity_bytes is not None and self.file_bytes() > self.capacity_bytes:
-            self.gc()
-        self._update_gauges()
-        return res
 
     def _degrade(self, e: OSError, retry_after_s: float = 30.0) -> None:
         cause = "no_space" if e.errno in _NO_SPACE else "io_error"

@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = ["verify"]
 
-_READ_BATCH = 64 << 20
-
 
 def verify(store: PersistentStore, progress: Callable[[int, int], None] | None = None, repair: bool = False) -> dict:
     """Reads and checks every record (header and data CRC, identity, chain links, and the
@@ -49,7 +47,7 @@ def verify(store: PersistentStore, progress: Callable[[int, int], None] | None =
     i = 0
     while i < len(recs):
         batch, size = [], 0
-        while i < len(recs) and (not batch or size + recs[i].padded <= _READ_BATCH):
+        while i < len(recs) and (not batch or size + recs[i].padded <= reads.READ_BATCH):
             batch.append(recs[i])
             size += recs[i].padded
             i += 1

@@ -17,9 +17,9 @@ from . import format as sf
 from .index import SegmentFile, StoredRecord
 
 if TYPE_CHECKING:
-    from .store import PendingRecord, PersistentStore
+    from .store import CommitResult, PendingRecord, PersistentStore
 
-__all__ = ["write_segment"]
+__all__ = ["write_segment", "commit_pending"]
 
 _WRITE_CHUNK = 4 << 20
 
@@ -187,3 +187,66 @@ def _encode(p: PendingRecord, view: np.ndarray, at: int, file_off: int, rows, ke
         keys.append(p.key)
     rows.append((p.rid, p.parent, file_off + at, created, padded, p.block_index, ki, p.block_hash, rbytes))
     return at + padded
+
+
+def _commit_result() -> CommitResult:
+    from .store import CommitResult
+    return CommitResult()
+
+
+def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> CommitResult:
+    """Writes records taken from the queue (PersistentStore.commit holds the write lock):
+    segments of at most segment_bytes, parents before children, each published on its
+    own. An I/O error degrades the tier: the rest is dropped, nothing is raised."""
+    res = _commit_result()
+    if not pending:
+        return res
+    if store.degraded:
+        res.dropped = [p.rid for p in pending]
+        res.error = store.degraded_reason
+        store.metrics.persist_failures.inc(cause="degraded")
+        return res
+    t0 = time.perf_counter()
+    groups, cur, cur_bytes = [], [], sf.PAGE * 3
+    for p in pending:
+        padded = sf.record_geometry(p.tokens.size, len(p.key), p.payload.size)[2]
+        if cur and cur_bytes + padded + 128 > store.segment_bytes:
+            groups.append(cur)
+            cur, cur_bytes = [], sf.PAGE * 3
+        cur.append(p)
+        cur_bytes += padded + 128
+    groups.append(cur)
+    failed_at = None
+    for gi, g in enumerate(groups):
+        # A record whose parent is gone (dropped, or deleted since put) cannot be
+        # stored: the store holds whole prefixes only. Parents come before children.
+        alive, ok_rids = [], set()
+        with store._lock:
+            for p in g:
+                if not p.parent or p.parent in store._ix.recs or p.parent in ok_rids:
+                    alive.append(p)
+                    ok_rids.add(p.rid)
+                else:
+                    res.dropped.append(p.rid)
+        if not alive:
+            continue
+        try:
+            res.bytes_written += write_segment(store, alive, supersedes=[])
+            res.persisted += [p.rid for p in alive]
+        except OSError as e:
+            failed_at = gi
+            res.dropped += [p.rid for p in alive]
+            store._degrade(e)
+            res.error = store.degraded_reason
+            break
+    if failed_at is not None:
+        for g in groups[failed_at + 1:]:
+            res.dropped += [p.rid for p in g]
+    store.metrics.ssd_commit_seconds.observe(time.perf_counter() - t0)
+    store.metrics.bytes_written.inc(res.bytes_written, tier="ssd")
+    store.metrics.inserted_blocks.inc(len(res.persisted), tier="ssd")
+    store._journal.flush()
+    if store.capacity_bytes is not None and store.file_bytes() > store.capacity_bytes:
+        store.gc()
+    store._update_gauges()
+    return res
