@@ -6,6 +6,7 @@
     index      the in-memory index: segment files, records, chains
     journal    journal.log: access times, deletions, id watermarks
     segments   loading a segment's index (footer, or a scan of record headers)
+    recovery   opening the files (recovery) and a reader's refresh, through that one loader
     writer     writing one segment and publishing it by rename
     reads      verified reads, host (pread) and device (GPUDirect Storage)
     gc         TTL, LRU to the byte capacity, reclaiming space by compaction

@@ -46,14 +46,14 @@ import torch
 from .. import io as _io
 from ..errors import MissingParentError, PayloadError, StoreError, StoreReadOnlyError
 from ..metrics import CacheMetrics
-from . import files as _files
 from . import format as sf
 from . import gc as _gc
 from . import reads as _reads
+from . import recovery as _recovery
 from . import verify as _verify
 from . import writer as _writer
 from .index import RecordIndex, SegmentFile, StoredRecord
-from .journal import Journal, apply_entries
+from .journal import Journal
 from .manifest import StoreIdentity, WriterLock, read_manifest, write_manifest
 from .segments import SegmentLoader
 
@@ -212,7 +212,7 @@ class PersistentStore:
                 self._release_lock()
                 return
             self._journal = Journal(self.path, writable=True)
-        self._recover()
+        _recovery.recover(self)
 
     def _release_lock(self) -> None:
         if self._writer_lock is not None:
@@ -228,61 +228,6 @@ class PersistentStore:
 
     def _loader(self) -> SegmentLoader:
         return SegmentLoader(self.path, self.identity, self._ix, self.counts, self._unusable)
-
-    # ---- recovery -----------------------------------------------------------------------
-
-    def _recover(self) -> None:
-        names = sorted(os.listdir(self.path))
-        if self.mode == "w":
-            for n in names:
-                if n.startswith(".tmp-"):  # a commit or compaction cut short by a crash
-                    try:
-                        _files.unlink_if_present(self.path / n)
-                        self.counts["torn_temp_files"] += 1
-                    except _files.NotRegularFileError as e:
-                        self._unusable(n, e)
-        loaded, loader = [], self._loader()
-        for n in names:
-            parsed = sf.parse_segment_name(n)
-            if parsed is None:
-                continue
-            seg_info = loader.load(n, *parsed)
-            if seg_info is not None:
-                loaded.append(seg_info)
-        superseded = {u for (_, hdr, _) in loaded for u in hdr.supersedes}
-        rec_rows = []
-        for seg, hdr, rows in sorted(loaded, key=lambda x: x[0].seq):
-            self._next_seq = max(self._next_seq, seg.seq + 1)
-            if seg.uuid in superseded:
-                # A compaction published its replacement but died before unlinking this one.
-                self.counts["superseded_segments"] += 1
-                if self.mode == "w":
-                    _files.unlink_if_present(self.path / seg.name)
-                continue
-            self._segs[seg.uuid] = seg
-            rec_rows.append((seg, hdr, rows))
-        max_rid = 0
-        for seg, hdr, rows in rec_rows:
-            max_rid = max([max_rid] + [r.rid for r in rows])
-            self._ix.add_rows(rows, self.counts)
-        entries = self._journal.open()
-        self.counts["journal_torn_bytes"] = self._journal.torn_bytes
-        deleted, self._next_rid, self._next_seq = apply_entries(entries, self._ix.recs, self._next_rid,
-                                                                self._next_seq)
-        for rid in deleted:
-            r = self._ix.recs.get(rid)
-            if r is not None:
-                self._ix.remove(r)
-        orphans = self._ix.drop_orphans()
-        self.counts["orphans_dropped"] = len(orphans)
-        if self.mode == "w":
-            now = self._now_ns()
-            for rid in orphans:
-                self._journal.append(sf.J_DELETE, rid, now)
-            self._journal.flush()
-        self._next_rid = max(self._next_rid, max_rid + 1)
-        self.counts["recovered_records"] = len(self._ix.recs)
-        self.counts["recovered_segments"] = len(self._segs)
 
     # ---- index --------------------------------------------------------------------------
 
@@ -572,42 +517,8 @@ class PersistentStore:
 
     def refresh(self) -> dict:
         """Reader: index segments published since the last look, forget removed ones, and
-        apply new journal entries. Returns what changed."""
-        if self.mode != "r" or self.mismatch is not None:
-            return {"added_segments": 0, "removed_segments": 0}
-        names = set(os.listdir(self.path))
-        added = removed = 0
-        with self._lock:
-            known = {s.name for s in self._segs.values()}
-            for s in list(self._segs.values()):
-                if s.name not in names:
-                    self._ix.remove_segment(s)
-                    self._retire([s], unlink=False)
-                    removed += 1
-            loader = self._loader()
-            for n in sorted(names - known):
-                parsed = sf.parse_segment_name(n)
-                if parsed is None or any(n in u for u in self.unusable):
-                    continue
-                info = loader.load(n, *parsed)
-                if info is None:
-                    continue
-                seg, hdr, rows = info
-                for u in hdr.supersedes:
-                    old = self._segs.get(u)
-                    if old is not None:
-                        self._ix.remove_segment(old)
-                        self._retire([old], unlink=False)
-                self._segs[seg.uuid] = seg
-                self._ix.add_rows(rows, self.counts)
-                added += 1
-            deleted, self._next_rid, self._next_seq = apply_entries(self._journal.read_new(), self._ix.recs,
-                                                                    self._next_rid, self._next_seq)
-            for rid in deleted:
-                r = self._ix.recs.get(rid)
-                if r is not None:
-                    self._ix.remove(r)
-        return {"added_segments": added, "removed_segments": removed}
+        apply new journal entries (see recovery.refresh). Returns what changed."""
+        return _recovery.refresh(self)
 
     # ---- stats and shutdown -------------------------------------------------------------
 
