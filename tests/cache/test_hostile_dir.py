@@ -62,6 +62,19 @@ def test_a_linked_journal_or_lock_is_refused_and_its_target_untouched(tmp_path, 
             assert len(st) == 6
 
 
+def test_a_linked_manifest_is_refused_by_writer_reader_and_cli(tmp_path, capsys):
+    from dsv41.cli import main
+    store = tmp_path / "store"
+    make_store(store)
+    shutil.move(store / sf.MANIFEST_NAME, tmp_path / "manifest-elsewhere.json")
+    os.symlink(tmp_path / "manifest-elsewhere.json", store / sf.MANIFEST_NAME)
+    for mode in ("w", "r"):
+        with pytest.raises(StoreError, match="symbolic link"):
+            open_store(store, mode=mode)
+    assert main(["cache", "stats", str(store)]) == 2
+    assert "symbolic link" in capsys.readouterr().err
+
+
 def test_a_linked_manifest_temp_file_is_replaced_not_followed(tmp_path):
     store = tmp_path / "store"
     store.mkdir()
