@@ -17,9 +17,9 @@ def test_block_bytes_equal_the_global_kv_budget(preset, block_tokens):
     cfg = ModelConfig.preset(preset)
     lay = BlockLayout(cfg, block_tokens)
     assert lay.block_bytes == kv_budget(cfg).global_bytes_per_token * block_tokens
-    # Segments tile the block exactly, in order, without gaps.
+    # Arrays tile the block exactly, in order, without gaps.
     end = 0
-    for s in lay.segments:
+    for s in lay.arrays:
         assert s.offset == end
         end += s.nbytes
     assert end == lay.block_bytes
@@ -30,7 +30,7 @@ def test_v41_flash_block_is_890_bytes_per_token():
     # 3 ratio-2 owners (32 entries) + 1 ratio-1 owner (64 entries); 288 B main + 68 B index keys.
     assert lay.block_bytes == 3 * 32 * (288 + 68) + 64 * (288 + 68) == 890 * 64
     assert lay.layers == [2, 8, 14, 20]
-    s = lay.segment(8, "main_scales")
+    s = lay.array(8, "main_scales")
     assert (s.entries, s.width, s.dtype) == (32, 512 // 16, torch.float8_e4m3fn)
 
 
@@ -72,7 +72,7 @@ def test_pack_unpack_round_trip_with_real_codes(gen):
     dest = {k: torch.zeros_like(v) for k, v in sources.items()}
     lay.unpack(blocks, dest, start_block=1)
     for k, v in sources.items():
-        m = lay.segment(*k).entries
+        m = lay.array(*k).entries
         assert torch.equal(dest[k][m:4 * m].view(torch.uint8), v[m:4 * m].view(torch.uint8)), k
         assert not dest[k][:m].view(torch.uint8).any() and not dest[k][4 * m:].view(torch.uint8).any()
 

@@ -4,7 +4,7 @@
     layout       the byte layout of one block's payload, from a ModelConfig
     global_pool  GlobalKVPool: paged, ref-counted global KV blocks on the GPU
     swa_pool     SwaSnapshotPool: exact SWA snapshots in host DRAM, with a TTL
-    persistent   PersistentStore: verified, crash-safe global KV blocks on SSD
+    store        PersistentStore: verified, crash-safe global KV blocks on SSD (a package)
     manager      PrefixCache: lookup across tiers, insert, promotion, admission; for_model/bind
                  tie it to one model (config, KV options, weights identity)
     metrics      counters and histograms (dict and Prometheus text)
@@ -25,7 +25,7 @@ from .hashing import BlockHasher, CacheKey, model_fingerprint, sha256
 from .layout import DEFAULT_BLOCK_TOKENS, PAYLOAD_FORMAT_VERSION, BlockLayout
 from .manager import CacheConfig, PrefixCache, PrefixMatch, StoreDisabledWarning
 from .metrics import CacheMetrics, MetricsRegistry
-from .persistent import PersistentStore, StoreIdentity
+from .store import PersistentStore, StoreIdentity
 from .swa_pool import SwaSnapshotPool, TensorSnapshot
 
 __all__ = ["BlockHasher", "CacheKey", "model_fingerprint", "sha256", "BlockLayout", "DEFAULT_BLOCK_TOKENS",

@@ -8,15 +8,25 @@
 
 stats and verify open the store read-only (safe beside a running writer); verify --repair
 and gc take the writer lock, so they refuse to run while a server has the store open.
+None of them creates a store: DIR must already hold one.
+
+Exit status (every subcommand): 0 clean; 1 corruption found (verify: corrupt records,
+damaged segments, segments of another store, record ids claimed twice, names that are links,
+FIFOs or directories); 2 the store could not be opened (missing, not a directory, locked by
+a writer, read-only filesystem, another model's manifest) or bad arguments. Errors are one
+line on stderr, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
+import os
 import sys
 import time
 
-__all__ = ["add_cache_parser", "ProgressBar", "parse_size"]
+__all__ = ["add_cache_parser", "ProgressBar", "parse_size", "positive_hours"]
 
 
 def parse_size(text: str) -> int:
@@ -29,9 +39,23 @@ def parse_size(text: str) -> int:
         value = float(number) * mult
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 10G)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
+    if mult == 1 and value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r} (e.g. 512M, 10G)")
     return int(value)
+
+
+def positive_hours(text: str) -> float:
+    """--ttl-hours: a finite number of hours above zero (0 or less would expire everything)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of hours: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 hours, got {text!r} (0 or less would "
+                                         f"expire every record)")
+    return value
 
 
 class ProgressBar:
@@ -58,15 +82,22 @@ class ProgressBar:
         self.stream.flush()
 
 
-def _open(path: str, mode: str, **kw):
-    from .errors import StoreError
-    from .hashing import sha256
-    from .persistent import PersistentStore
+def _fail(msg: str) -> None:
+    print(f"dsv41 cache: {msg}", file=sys.stderr)
 
+
+def _open(path: str, mode: str, **kw):
+    from .hashing import sha256
+    from .store import PersistentStore
+
+    if not os.path.isdir(path):  # the tools never create a store (the writer mode would)
+        what = "does not exist" if not os.path.lexists(path) else "is not a directory"
+        _fail(f"{path} {what}: no persistent store there")
+        return None
     try:
         store = PersistentStore(path, None, mode=mode, **kw)
-    except StoreError as e:
-        print(f"dsv41 cache: {e.strerror or e}", file=sys.stderr)
+    except OSError as e:  # StoreError and the OS's own (permissions, read-only filesystem)
+        _fail(f"cannot open {path}: {e.strerror or e}")
         return None
     if store.identity.hash_name == "sha256":
         store.hash_fn = sha256  # lets verify recompute every block hash
@@ -83,6 +114,35 @@ def _human(n: int | None) -> str:
     return str(n)
 
 
+def _no_traceback(cmd):
+    """Any error a subcommand meets becomes one line on stderr and exit status 2."""
+    @functools.wraps(cmd)
+    def run(args) -> int:
+        try:
+            return cmd(args)
+        except OSError as e:
+            _fail(f"{e.strerror or e}" + (f": {e.filename}" if e.filename and e.filename not in str(e.strerror) else ""))
+        except Exception as e:  # noqa: BLE001 - the promise is: never a traceback
+            _fail(f"{type(e).__name__}: {e}")
+        return 2
+    return run
+
+
+def _problems(found: dict) -> list[str]:
+    """What opening the store found wrong besides bad records (stats and verify print it)."""
+    out = []
+    if found.get("foreign_segments"):
+        out.append(f"{found['foreign_segments']} segment(s) belong to another store (another model, or "
+                   f"a rewritten manifest): ignored")
+    if found.get("colliding_records"):
+        out.append(f"{found['colliding_records']} record(s) share an id with a different record (two stores "
+                   f"merged into one directory?): neither copy is used")
+    for u in found.get("unusable_files", []):
+        out.append(f"skipped {u}")
+    return out
+
+
+@_no_traceback
 def _cmd_stats(args) -> int:
     store = _open(args.dir, "r")
     if store is None:
@@ -106,10 +166,13 @@ def _cmd_stats(args) -> int:
     ]
     for ns, d in sorted(st["namespaces"].items()):
         lines.append(f"namespace {ns!r:<8} {d['records']:,} records, {_human(d['bytes'])}")
+    found = dict(st["recovery"], unusable_files=st["unusable_files"])
+    lines += [f"problem           {p}" for p in _problems(found)]
     print("\n".join(lines))
     return 0
 
 
+@_no_traceback
 def _cmd_verify(args) -> int:
     store = _open(args.dir, "w" if args.repair else "r")
     if store is None:
@@ -127,11 +190,15 @@ def _cmd_verify(args) -> int:
             print(f"  record {f['record_id']} in {f['segment']} at {f['offset']}: {f['problem']}")
         if report["damaged_segments"]:
             print(f"  {report['damaged_segments']} segment(s) with a damaged header or footer (records recovered by scanning)")
+        for p in _problems(report):
+            print(f"  {p}")
         if report["corrupt"] and args.repair:
             print("  corrupt records removed")
-    return 1 if report["corrupt"] or report["damaged_segments"] else 0
+    return 1 if (report["corrupt"] or report["damaged_segments"] or report["foreign_segments"]
+                 or report["colliding_records"] or report["unusable_files"]) else 0
 
 
+@_no_traceback
 def _cmd_gc(args) -> int:
     kw = {"ttl_s": None if args.ttl_hours is None else args.ttl_hours * 3600.0}
     if args.capacity is not None:
@@ -152,7 +219,9 @@ def _cmd_gc(args) -> int:
 
 def add_cache_parser(sub) -> None:
     """Adds `cache stats|verify|gc` to the dsv41 command's subparsers."""
-    cache = sub.add_parser("cache", help="inspect, verify and clean a persistent prefix store directory")
+    cache = sub.add_parser("cache", help="inspect, verify and clean a persistent prefix store directory",
+                           description="exit status: 0 clean, 1 corruption found, 2 could not open the "
+                           "store or bad arguments")
     csub = cache.add_subparsers(dest="cache_command", required=True)
 
     st = csub.add_parser("stats", help="records, bytes, namespaces and identity of a store")
@@ -172,7 +241,8 @@ def add_cache_parser(sub) -> None:
 
     gc = csub.add_parser("gc", help="expire, evict to the capacity, reclaim space (takes the writer lock)")
     gc.add_argument("dir")
-    gc.add_argument("--ttl-hours", type=float, default=72.0, help="expire records unused this long (default 72)")
+    gc.add_argument("--ttl-hours", type=positive_hours, default=72.0,
+                    help="expire records unused this long (default 72; must be > 0)")
     gc.add_argument("--capacity", type=parse_size, default=None, help="byte cap, e.g. 500G")
     gc.add_argument("--json", action="store_true")
     gc.set_defaults(func=_cmd_gc)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __all__ = ["CacheError", "LayoutError", "PayloadError", "StoreError", "StoreMismatchError",
-           "StoreLockedError", "StoreReadOnlyError", "PoolFullError"]
+           "StoreLockedError", "StoreReadOnlyError", "MissingParentError", "PoolFullError"]
 
 
 class CacheError(Exception):
@@ -31,6 +31,11 @@ class StoreLockedError(StoreError):
 
 class StoreReadOnlyError(StoreError):
     """A write to a store opened read-only (or opened as empty after a mismatch)."""
+
+
+class MissingParentError(CacheError, KeyError):
+    """PersistentStore.put() of a record whose parent record is neither stored nor queued
+    (the store dropped it: LRU, TTL, corruption). A KeyError, as before it had a name."""
 
 
 class PoolFullError(CacheError, RuntimeError):

@@ -198,8 +198,12 @@ class GlobalKVPool:
                 out.append(bid)
                 parent = bid
             if fresh:
-                rows = torch.as_tensor([r for _, r in fresh], dtype=torch.long, device=payloads.device)
-                self.write([b for b, _ in fresh], payloads.index_select(0, rows))
+                rows = [r for _, r in fresh]
+                if rows == list(range(payloads.shape[0])):
+                    src = payloads  # every row is new, in order: no gather copy
+                else:  # advanced indexing, not index_select: see read()
+                    src = payloads[torch.as_tensor(rows, dtype=torch.long, device=payloads.device)]
+                self.write([b for b, _ in fresh], src)
         return out
 
     def _allocate(self) -> int:
@@ -303,7 +307,9 @@ class GlobalKVPool:
                 return out
             return out if device is None else out.to(device)
         idx = torch.as_tensor(list(bids), dtype=torch.long, device=self.device)
-        out = self.storage.index_select(0, idx)
+        # Advanced indexing, not index_select: on the CPU, index_select of uint8 rows is
+        # ~50x slower in torch 2.14 (1.6 s against 0.03 s for 64 v41-flash blocks).
+        out = self.storage[idx]
         return out if device is None else out.to(device)
 
     def _update_gauges(self) -> None:

@@ -8,7 +8,7 @@ A block covers `block_tokens` consecutive tokens. For every layer that owns glob
     index_codes   uint8          [entries, index_head_dim / 2]  MXFP4 E2M1 codes
     index_scales  uint8 (UE8M0)  [entries, index_head_dim / 32] MXFP4 scales
 
-(indexer keys only for layers that own them: dense layers have none). The segments lie
+(indexer keys only for layers that own them: dense layers have none). The arrays lie
 back to back in layer order, in the order above, in one flat uint8 buffer of
 `block_bytes` bytes; no padding, so block_bytes == block_tokens x the config's global
 KV bytes per token (890 x 64 = 56,960 for v41-flash). block_tokens must be a multiple of
@@ -31,7 +31,7 @@ from ..config import ModelConfig
 from ..formats import layout as fmt
 from .errors import LayoutError, PayloadError
 
-__all__ = ["PAYLOAD_FORMAT_VERSION", "DEFAULT_BLOCK_TOKENS", "KINDS", "Segment", "BlockLayout"]
+__all__ = ["PAYLOAD_FORMAT_VERSION", "DEFAULT_BLOCK_TOKENS", "KINDS", "PayloadArray", "BlockLayout"]
 
 # Version of the payload bytes (codecs of SPEC section 3 + this layout). Part of every cache
 # key and of the persistent store's manifest: bump it when either changes.
@@ -43,8 +43,9 @@ _DTYPES = {"main_codes": fmt.NVFP4.code_dtype, "main_scales": fmt.NVFP4.scale_dt
 
 
 @dataclass(frozen=True)
-class Segment:
-    """One (layer, kind) array inside a block: `entries` rows of `width` bytes."""
+class PayloadArray:
+    """One (layer, kind) array inside a block: `entries` rows of `width` bytes. (Not a
+    store segment file, nor the model's Segment of a forward batch.)"""
 
     layer: int
     kind: str
@@ -87,7 +88,7 @@ class BlockLayout:
                                             fmt.MXFP4.row_shapes(config.index_head_dim))
         widths = {"main_codes": main_c, "main_scales": main_s, "index_codes": idx_c,
                   "index_scales": idx_s}
-        segments: list[Segment] = []
+        arrays: list[PayloadArray] = []
         offset = 0
         for p in config.layer_plan():
             if not p.owns_kv:
@@ -95,35 +96,37 @@ class BlockLayout:
             entries = block_tokens // p.compress_ratio
             kinds = KINDS if p.owns_indexer_keys else KINDS[:2]
             for kind in kinds:
-                seg = Segment(p.layer, kind, p.compress_ratio, offset, entries, widths[kind], _DTYPES[kind])
-                segments.append(seg)
-                offset += seg.nbytes
-        if not segments:
+                arr = PayloadArray(p.layer, kind, p.compress_ratio, offset, entries, widths[kind], _DTYPES[kind])
+                arrays.append(arr)
+                offset += arr.nbytes
+        if not arrays:
             raise LayoutError(f"{config.name} has no layer that owns global KV: nothing to cache")
-        self.segments: tuple[Segment, ...] = tuple(segments)
+        self.arrays: tuple[PayloadArray, ...] = tuple(arrays)
         self.block_bytes = offset
-        self._by_key = {(s.layer, s.kind): s for s in segments}
+        self._by_key = {(s.layer, s.kind): s for s in arrays}
 
     # ---- description ------------------------------------------------------------------
 
     @property
     def layers(self) -> list[int]:
-        return sorted({s.layer for s in self.segments})
+        return sorted({s.layer for s in self.arrays})
 
     @property
     def bytes_per_token(self) -> float:
         return self.block_bytes / self.block_tokens
 
     def to_dict(self) -> dict:
+        # The key stays "segments" (the arrays' old name): this dict is hashed into the
+        # layout fingerprint that every store manifest records.
         return {"payload_format_version": PAYLOAD_FORMAT_VERSION, "block_tokens": self.block_tokens,
-                "block_bytes": self.block_bytes, "segments": [s.to_dict() for s in self.segments]}
+                "block_bytes": self.block_bytes, "segments": [s.to_dict() for s in self.arrays]}
 
     def fingerprint(self) -> str:
         """sha256 of the canonical layout description: equal iff the bytes mean the same."""
         canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()
 
-    def segment(self, layer: int, kind: str) -> Segment:
+    def array(self, layer: int, kind: str) -> PayloadArray:
         try:
             return self._by_key[(layer, kind)]
         except KeyError:
@@ -154,13 +157,13 @@ class BlockLayout:
         return torch.empty((n, self.block_bytes), dtype=torch.uint8, device=device)
 
     def view(self, blocks: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
-        """Typed view [n, entries, width] of one segment of every block in `blocks`."""
+        """Typed view [n, entries, width] of one array of every block in `blocks`."""
         blocks = self.check_blocks(blocks)
-        s = self.segment(layer, kind)
+        s = self.array(layer, kind)
         raw = blocks[:, s.offset: s.offset + s.nbytes].unflatten(1, (s.entries, s.width))
         return raw.view(s.dtype) if s.dtype != torch.uint8 else raw
 
-    def _check_source(self, s: Segment, t: torch.Tensor, need_entries: int, what: str) -> torch.Tensor:
+    def _check_source(self, s: PayloadArray, t: torch.Tensor, need_entries: int, what: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise PayloadError(f"{what}: expected a tensor, got {type(t).__name__}")
         if t.dtype not in (s.dtype, torch.uint8) and not (
@@ -184,7 +187,7 @@ class BlockLayout:
         out = self.empty(n_blocks, device) if out is None else self.check_blocks(out, "out")
         if out.shape[0] != n_blocks:
             raise PayloadError(f"out has {out.shape[0]} blocks, expected {n_blocks}")
-        for s in self.segments:
+        for s in self.arrays:
             key = (s.layer, s.kind)
             if key not in sources:
                 raise PayloadError(f"pack: sources lack {key}")
@@ -199,7 +202,7 @@ class BlockLayout:
         rows of blocks [start_block, start_block + n)."""
         blocks = self.check_blocks(blocks)
         n = blocks.shape[0]
-        for s in self.segments:
+        for s in self.arrays:
             key = (s.layer, s.kind)
             if key not in dest:
                 raise PayloadError(f"unpack: dest lacks {key}")

@@ -17,8 +17,15 @@ global KV of all its full blocks is in the match, so resuming from it is exact.
 Admission to the SSD tier: with admit_after_hits = 0 (default) a block is written right
 after the prefill that computed it; with N > 0 only once it has been matched N times
 (sparing SSD wear for prompts that are never reused). The store holds whole prefixes only:
-a block is written only when the block before it is stored. Writes are synchronous, at the
-end of insert/match, outside the pool lock.
+a block is written only when the block before it is stored (or queued before it).
+
+SSD writes: with store_write_behind_bytes = 0 (default) insert/match commit their blocks
+before returning (outside the pool lock): what they wrote is acknowledged (durable with
+"fsync") when they return. With N > 0 they only queue the records and a background thread
+commits them, so the request does not wait for the SSD; at most N payload bytes wait in the
+queue (beyond that the request commits itself: backpressure, never unbounded memory).
+Then a block is acknowledged when flush() returns; a crash loses at most what was not yet
+acknowledged, never part of a record.
 
 Model identity. Every key holds the model fingerprint (hashing.model_fingerprint): the KV
 fingerprint (config + options that change stored bytes) and the weights' identity.
@@ -32,6 +39,8 @@ so in one warning.
 """
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 import time
 import warnings
@@ -44,12 +53,12 @@ import torch
 
 from .. import profiling
 from ..config import ModelConfig
-from .errors import PayloadError, StoreLockedError, StoreMismatchError
+from .errors import MissingParentError, PayloadError, StoreLockedError, StoreMismatchError
 from .global_pool import GlobalKVPool
 from .hashing import BlockHasher, CacheKey, HashFn, as_token_array, model_fingerprint, sha256
 from .layout import DEFAULT_BLOCK_TOKENS, PAYLOAD_FORMAT_VERSION, BlockLayout
 from .metrics import CacheMetrics
-from .persistent import DEFAULT_SEGMENT_BYTES, DEFAULT_TTL_S, PersistentStore, StoreIdentity
+from .store import DEFAULT_SEGMENT_BYTES, DEFAULT_TTL_S, PersistentStore, StoreIdentity
 from .swa_pool import DEFAULT_TTL_S as SWA_TTL_S
 from .swa_pool import SwaSnapshotPool, TensorSnapshot
 
@@ -69,6 +78,8 @@ def _model_identity(model) -> tuple[str, str | None]:
                         f"{type(model).__name__}") from None
     return kv, wid
 
+log = logging.getLogger("dsv41.cache")
+
 
 @dataclass
 class CacheConfig:
@@ -84,6 +95,7 @@ class CacheConfig:
     store_segment_bytes: int = DEFAULT_SEGMENT_BYTES
     store_on_mismatch: str = "error"          # or "empty"
     store_direct_io: bool = True
+    store_write_behind_bytes: int = 0         # > 0: a background thread commits SSD writes (see above)
     admit_after_hits: int = 0
     hash_fn: HashFn = sha256
     hash_name: str = "sha256"
@@ -156,6 +168,9 @@ class PrefixCache:
         if cc.store_dir is not None:
             self.store = self._open_store(cc, clock, store_fault)
         self._persist_lock = threading.Lock()
+        self._committer = None
+        if self.store is not None and cc.store_write_behind_bytes > 0:
+            self._committer = _BackgroundCommitter(self.store)
 
     @classmethod
     def for_model(cls, model, cache_config: CacheConfig | None = None, **kw) -> "PrefixCache":
@@ -271,7 +286,7 @@ class PrefixCache:
         if g:
             with pool.lock:
                 slots = [pool.slot(b) for b in m.block_ids]
-                rids = [s.record_id for s in slots]
+                rids = self._stored_records(slots)
             first = next((j for j, r in enumerate(rids) if r is None), g)
             if first < g:
                 # GPU blocks that do not know their record (written by another process, or
@@ -300,6 +315,19 @@ class PrefixCache:
         m.block_ids.extend(new)
         self.metrics.promotions.inc(len(new))
         return len(new)
+
+    def _stored_records(self, slots: list) -> list[int | None]:
+        """Record ids of the slots' blocks that the store still holds (call under the pool
+        lock). The store may have dropped a chain the pool still references (LRU eviction
+        under its byte cap, TTL expiry, verify --repair, a failed read): such a block is
+        treated as not stored, its stale id is forgotten, and _persist writes it again."""
+        out = []
+        for s in slots:
+            rid = s.record_id
+            if rid is not None and not self.store.holds(rid):
+                s.record_id = rid = None
+            out.append(rid)
+        return out
 
     def _find_stored(self, m: PrefixMatch, tok: np.ndarray, first: int, upto: int, parent: int) -> list[int]:
         """Record ids of the blocks first, first+1, ... (below record `parent`) that the store
@@ -371,7 +399,7 @@ class PrefixCache:
         with self._persist_lock:
             with pool.lock:
                 slots = [pool.slot(b) for b in m.block_ids[:upto]]
-            rids = [s.record_id for s in slots] + [None] * (upto - len(slots))
+                rids = self._stored_records(slots) + [None] * (upto - len(slots))
             first = next((j for j, r in enumerate(rids) if r is None), upto)
             if first == upto:
                 return
@@ -397,20 +425,43 @@ class PrefixCache:
             if from_pool:
                 data = pool.read([m.block_ids[j] for j in from_pool], device="cpu")
                 pool_rows = {j: data[i] for i, j in enumerate(from_pool)}
-            host_new = new_payloads.cpu() if new_payloads is not None else None
+            host_new = None
+            if new_payloads is not None:
+                # The store reads payloads at commit time: a background commit must not see
+                # the caller's tensor change after insert() returned, so it gets a copy.
+                host_new = new_payloads.cpu()
+                if self._committer is not None and host_new.data_ptr() == new_payloads.data_ptr():
+                    host_new = host_new.clone()
             root = self.hasher.root(m.key)
             puts = []
             for j in todo:
                 payload = pool_rows[j] if j in pool_rows else host_new[j - new_start]
-                parent = store.put(key=m.key, parent=parent, block_index=j, block_hash=m.hashes[j],
-                                   parent_hash=m.hashes[j - 1] if j else root, tokens=tok[j], payload=payload)
+                try:
+                    parent = store.put(key=m.key, parent=parent, block_index=j, block_hash=m.hashes[j],
+                                       parent_hash=m.hashes[j - 1] if j else root, tokens=tok[j],
+                                       payload=payload)
+                except MissingParentError:
+                    # The store dropped the parent since _stored_records looked (another
+                    # thread's TTL expiry or failed read): this chain is not stored now; the
+                    # next request that reaches it writes it again from its root.
+                    break
                 puts.append((j, parent))
-            res = store.commit()
-            done = set(res.persisted)
+            # A block knows its record as soon as it is queued: the next request extends
+            # the chain from it instead of writing it again. A record the commit drops is
+            # then a stale id, forgotten by _stored_records.
             with pool.lock:
                 for j, rid in puts:
-                    if rid in done and j < len(slots):
+                    if j < len(slots):
                         slots[j].record_id = rid
+            cap = self.cache_config.store_write_behind_bytes
+            if self._committer is not None and store.pending_bytes <= cap:
+                self._committer.kick()
+                return
+        store.commit()  # may be another thread's commit that takes these records: same result
+        with pool.lock:
+            for j, rid in puts:  # dropped (disk full): forget the ids now, not at the next use
+                if j < len(slots) and slots[j].record_id == rid and not store.holds(rid):
+                    slots[j].record_id = None
 
     # ---- snapshots, release, access -----------------------------------------------------
 
@@ -448,12 +499,58 @@ class PrefixCache:
         out["metrics"] = m.to_dict()
         return out
 
+    def flush(self) -> None:
+        """Waits until every block queued for the SSD tier is committed: durable (with
+        "fsync") or dropped. With store_write_behind_bytes > 0 this is when they are
+        acknowledged; without it insert/match already waited."""
+        if self.store is not None and self.store.writable:
+            self.store.commit()
+
     def close(self) -> None:
+        if self._committer is not None:
+            self._committer.stop()
         if self.store is not None:
-            self.store.close()
+            self.store.close()  # commits what is still queued
 
     def __enter__(self) -> "PrefixCache":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _BackgroundCommitter:
+    """One thread that commits what requests queued in the store, so SSD writes leave the
+    request path. kick() after queueing; commits are serialized by the store's write lock,
+    so flush() (a commit from the caller's thread) waits for one in flight."""
+
+    def __init__(self, store: PersistentStore):
+        self.store = store
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="dsv41-cache-commit", daemon=True)
+        self._thread.start()
+        # At interpreter exit a cache nobody closed stops its thread first (the store's own
+        # finalizer then commits what is queued); a weak reference keeps it collectable.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (c := ref()) is not None and c.stop())
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stopping:
+                return  # the store's close() commits what is left
+            try:
+                self.store.commit()  # I/O errors degrade the tier inside; this is for bugs
+            except Exception:  # noqa: BLE001 - a background thread must not die silently
+                log.exception("background commit of the SSD tier failed")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()

@@ -49,7 +49,7 @@ def import_blocks(layout: BlockLayout, state: SequenceState, blocks: torch.Tenso
     n = blocks.shape[0]
     dest: dict = {}
     payload: dict = {"main": {}, "index": {}}
-    for s in layout.segments:
+    for s in layout.arrays:
         dest[(s.layer, s.kind)] = torch.empty((n * s.entries, s.width), dtype=s.dtype, device=blocks.device)
     layout.unpack(blocks, dest)
     for kind, (codes_name, scales_name) in _KINDS.items():

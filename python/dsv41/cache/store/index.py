@@ -1,0 +1,174 @@
+"""The in-memory index of a store: which records exist, where, and how they chain.
+
+Nothing here touches a file or takes a lock: the facade (store.py) holds its index lock
+around every call. Records are found by (parent record id, block hash); a chain's first
+block has parent 0 and is told apart by its key (kept once per distinct key).
+"""
+from __future__ import annotations
+
+import logging
+
+__all__ = ["SegmentFile", "StoredRecord", "RecordIndex"]
+
+log = logging.getLogger("dsv41.cache.store")
+
+
+class SegmentFile:
+    """One segment file of the store as the index knows it (not the model's Segment of a
+    forward batch, nor a layout's payload array)."""
+
+    __slots__ = ("uuid", "seq", "name", "file_bytes", "live_bytes", "rids", "fd", "direct", "damaged")
+
+    def __init__(self, uuid: bytes, seq: int, name: str, file_bytes: int):
+        self.uuid, self.seq, self.name, self.file_bytes = uuid, seq, name, file_bytes
+        self.live_bytes = 0
+        self.rids: set[int] = set()
+        self.fd: int | None = None
+        self.direct = False
+        self.damaged = False  # footer unusable: indexed by scanning record headers
+
+
+class StoredRecord:
+    """Where one record lives and what the index needs to match and verify it."""
+
+    __slots__ = ("rid", "parent", "seg", "offset", "padded", "block_index", "created_ns", "atime_ns",
+                 "key_id", "hash")
+
+    def __init__(self, rid, parent, seg, offset, padded, block_index, created_ns, key_id, hash_):
+        self.rid, self.parent, self.seg, self.offset, self.padded = rid, parent, seg, offset, padded
+        self.block_index, self.created_ns, self.atime_ns = block_index, created_ns, created_ns
+        self.key_id, self.hash = key_id, hash_
+
+
+class RecordIndex:
+    def __init__(self):
+        self.recs: dict[int, StoredRecord] = {}
+        self.children: dict[tuple[int, bytes], list[int]] = {}  # (parent id, block hash) -> ids
+        self.kids: dict[int, set[int]] = {}                      # parent id -> child ids
+        self.keys: list[bytes] = []
+        self.key_ids: dict[bytes, int] = {}
+        self.live_total = 0
+        self.colliding: set[int] = set()  # ids found in two segments with different contents
+
+    def __len__(self) -> int:
+        return len(self.recs)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self.recs
+
+    def key_id(self, key: bytes) -> int:
+        kid = self.key_ids.get(key)
+        if kid is None:
+            kid = self.key_ids[key] = len(self.keys)
+            self.keys.append(key)
+        return kid
+
+    def add(self, r: StoredRecord) -> None:
+        self.recs[r.rid] = r
+        self.children.setdefault((r.parent, r.hash), []).append(r.rid)
+        if r.parent:
+            self.kids.setdefault(r.parent, set()).add(r.rid)
+        r.seg.rids.add(r.rid)
+        r.seg.live_bytes += r.padded
+        self.live_total += r.padded
+
+    def remove(self, r: StoredRecord) -> None:
+        self.recs.pop(r.rid, None)
+        key = (r.parent, r.hash)
+        lst = self.children.get(key)
+        if lst is not None:
+            try:
+                lst.remove(r.rid)
+            except ValueError:
+                pass
+            if not lst:
+                del self.children[key]
+        if r.parent:
+            kids = self.kids.get(r.parent)
+            if kids is not None:
+                kids.discard(r.rid)
+                if not kids:
+                    del self.kids[r.parent]
+        if r.rid in r.seg.rids:
+            r.seg.rids.discard(r.rid)
+            r.seg.live_bytes -= r.padded
+            self.live_total -= r.padded
+
+    def remove_subtree(self, r: StoredRecord) -> list[StoredRecord]:
+        """Removes a record and every record below it (unreachable without it); returns
+        them, `r` first."""
+        stack, removed = [r], []
+        while stack:
+            cur = stack.pop()
+            stack.extend(self.recs[k] for k in list(self.kids.get(cur.rid, ())) if k in self.recs)
+            self.remove(cur)
+            removed.append(cur)
+        return removed
+
+    def remove_segment(self, seg: SegmentFile) -> None:
+        for rid in list(seg.rids):
+            if rid in self.recs:
+                self.remove(self.recs[rid])
+
+    def add_rows(self, rows: list[StoredRecord], counts: dict) -> None:
+        """Indexes one segment's records (recovery and refresh). A record id that is
+        already indexed is either the same record twice (identical identity: only a
+        damaged supersedes list causes that; the newer copy is kept) or two records that
+        share an id: two stores merged into one directory. Then neither copy can be
+        trusted (a chain could continue into the other store's records): both are
+        dropped, and so is any later record with that id; their children become orphans."""
+        for r in rows:
+            if r.rid in self.colliding:
+                counts["colliding_records"] += 1
+                continue
+            old = self.recs.get(r.rid)
+            if old is not None:
+                same = (old.parent, old.hash, old.block_index, old.key_id) == (r.parent, r.hash, r.block_index,
+                                                                              r.key_id)
+                if same and old.seg is not r.seg:
+                    counts["duplicate_records"] += 1
+                    if old.seg.seq > r.seg.seq:
+                        continue
+                    self.remove(old)
+                else:
+                    log.warning("record id %d is in %s and %s with different contents (two stores merged "
+                                "into one directory?): neither copy is used", r.rid, old.seg.name, r.seg.name)
+                    self.colliding.add(r.rid)
+                    counts["colliding_records"] += 2
+                    self.remove(old)
+                    continue
+            self.add(r)
+
+    def drop_orphans(self) -> list[int]:
+        """Removes records whose parent is gone (they can never be reached), parents first."""
+        orphans = []
+        for r in sorted(self.recs.values(), key=lambda r: r.block_index):
+            if r.parent and r.parent not in self.recs:
+                orphans.append(r.rid)
+                self.remove(r)
+        return orphans
+
+    def walk(self, key: bytes, hashes: list[bytes], parent: int, exclude: set[int] | None,
+             oldest_ns: float | None) -> tuple[list[int], list[int]]:
+        """(ids of the longest chain matching `hashes` below `parent`, ids passed over
+        because their last use is before oldest_ns)."""
+        out, expired = [], []
+        kid = self.key_ids.get(key)
+        if kid is None and parent == 0:
+            return out, expired
+        for h in hashes:
+            found = None
+            for rid in self.children.get((parent, h), ()):
+                r = self.recs[rid]
+                if (exclude and rid in exclude) or (parent == 0 and r.key_id != kid):
+                    continue
+                if oldest_ns is not None and r.atime_ns < oldest_ns:
+                    expired.append(rid)
+                    continue
+                found = r
+                break
+            if found is None:
+                break
+            out.append(found.rid)
+            parent = found.rid
+        return out, expired

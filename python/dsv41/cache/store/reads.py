@@ -1,0 +1,305 @@
+"""Verified reads: records read whole and checked before their payload is used.
+
+Host path (read_checked): O_DIRECT reads into aligned staging; each record is checked in
+the I/O worker that read it (C++, dsv41/record.h). Device path (read_into): cuFile reads
+into device memory, CRCs computed there, heads checked on the host by the same C++ check.
+Both group records back to back in one segment into one I/O (group_records), and both
+check the parent link (check_parents). A failed record is removed (settle).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from .. import io as _io
+from . import format as sf
+from .index import SegmentFile
+
+if TYPE_CHECKING:
+    from .store import PersistentStore
+
+__all__ = ["load", "read", "read_checked", "read_into", "check_parents", "settle", "group_records"]
+
+log = logging.getLogger("dsv41.cache.store")
+
+READ_BATCH = 64 << 20  # payload bytes one load() reads per call
+GROUP_BYTES = 512 << 10  # contiguous records read by one op (several ops keep every I/O thread busy)
+RECORD_STATUS = _io.RECORD_STATUS  # "ok", "truncated", "header", "checksum", "collision"
+
+
+def group_records(recs: list, status: list[str], usable: Callable[[SegmentFile], bool] = lambda seg: True) -> list[list]:
+    """Groups records for reading: records back to back in one segment (a chain written
+    by one commit) share one I/O of up to GROUP_BYTES. Returns [segment, file offset,
+    size, [record index, ...]] per I/O; a None record, or one whose segment is not
+    usable, gets status "missing" instead."""
+    groups: list[list] = []
+    for i, r in enumerate(recs):
+        if r is None or not usable(r.seg):
+            status[i] = "missing"
+            continue
+        g = groups[-1] if groups else None
+        if g is not None and g[0] is r.seg and g[1] + g[2] == r.offset and g[2] + r.padded <= GROUP_BYTES:
+            g[2] += r.padded
+            g[3].append(i)
+        else:
+            groups.append([r.seg, r.offset, r.padded, [i]])
+    return groups
+
+
+def read_checked(store: PersistentStore, recs: list, tokens: np.ndarray | None, key: bytes | None,
+                  out: np.ndarray | None) -> tuple[list[str], tuple, dict[int, int]]:
+    """Reads records (None entries are "missing") and checks each one in the I/O worker
+    that read it (dsv41/record.h): header and data CRC, identity against the index,
+    then token ids (row i of tokens) and key when given; verified payloads go to row i
+    of out. Returns (statuses, the staging buffer item, record index -> its offset in
+    the staging buffer). The caller must _put_staging(item)."""
+    status = ["ok"] * len(recs)
+    fds: dict[bytes, int | None] = {}
+    with store._lock:
+        for r in recs:
+            if r is not None and r.seg.uuid not in fds:
+                try:
+                    fds[r.seg.uuid] = store._seg_fd(r.seg)
+                except (FileNotFoundError, OSError):  # gone, or a link/FIFO in its place
+                    fds[r.seg.uuid] = None
+    groups = group_records(recs, status, lambda seg: fds[seg.uuid] is not None)
+    item = store._get_staging(sum(g[2] for g in groups))
+    buf = item[0]
+    ops, where, pos = [], {}, 0
+    for g in groups:
+        specs = []
+        for i in g[3]:
+            r = recs[i]
+            rel = r.offset - g[1]
+            where[i] = pos + rel
+            specs.append((rel, r.padded, r.rid, r.parent, r.block_index, r.hash, i))
+        ops.append((fds[g[0].uuid], g[1], g[2], buf, pos, specs))
+        pos += g[2]
+    results = store._eng._eng.read_records(ops, tokens, key, None if out is None else out.reshape(-1),
+                                          store.identity.block_bytes)
+    for g, (done, err, codes) in zip(groups, results):
+        for i, code in zip(g[3], codes):
+            if code != 0 and err and code == 1:  # short because the read failed
+                status[i] = "missing" if err in (errno.ENOENT, errno.EBADF) else "io"
+            else:
+                status[i] = RECORD_STATUS[code]
+    return status, item, where
+
+
+def check_parents(store: PersistentStore, recs: list, status: list[str], header: Callable[[int], np.void]) -> None:
+    """Every read checks the link to the parent: the record's parent_hash (from its
+    verified header, header(i)) must be the block hash of the record the index holds
+    under its parent id. Ids alone are not enough: two stores merged into one
+    directory reuse ids, and a chain must never continue into the other store's
+    records. A mismatch is status "chain" (removed like corruption)."""
+    with store._lock:
+        for i, r in enumerate(recs):
+            if status[i] != "ok" or r is None or not r.parent:
+                continue
+            p = store._ix.recs.get(r.parent)
+            h = header(i)
+            if p is None or bytes(h["parent_hash"])[: int(h["hash_bytes"])] != p.hash:
+                status[i] = "chain"
+
+
+def settle(store: PersistentStore, rids, recs, status, t0) -> None:
+    """Counts a batch's outcome and removes what failed verification (never the
+    collisions: those records are intact, just another prefix's)."""
+    good_bytes = 0
+    for i, st in enumerate(status):
+        if st == "ok":
+            good_bytes += store.identity.block_bytes
+        elif st != "collision":
+            with store._lock:
+                moved = recs[i] is not None and store._ix.recs.get(rids[i]) is not recs[i]
+            if moved:
+                continue  # compaction moved it while we read the old copy: just a miss
+            store.metrics.checksum_failures.inc(kind=st)
+            log.warning("persistent record %d failed verification (%s): removed, served as a miss",
+                        rids[i], st)
+            if store.writable:
+                store._delete(rids[i], "missing" if st == "missing" else "corruption")
+            else:
+                with store._lock:
+                    r = store._ix.recs.get(rids[i])
+                    if r is not None:
+                        store._ix.remove(r)
+        else:
+            store.metrics.collisions.inc(tier="ssd")
+    store.metrics.bytes_read.inc(good_bytes, tier="ssd")
+    store.metrics.ssd_read_seconds.observe(time.perf_counter() - t0)
+
+
+def device_read(store: PersistentStore, seg: SegmentFile, staging: torch.Tensor, size: int, file_off: int, dev_off: int) -> tuple[int, int]:
+    """(bytes read, errno) of one read into `staging`: cuFile on a CUDA device, the
+    engine's pread elsewhere (the CPU runs this path in the tests)."""
+    path = store.path / seg.name
+    if staging.device.type == "cuda":
+        with store._lock:
+            f = store._gds_files.get(seg.uuid)
+            if f is None:
+                if not path.is_file() or path.is_symlink():
+                    return 0, errno.ENOENT
+                try:
+                    f = store._gds_files[seg.uuid] = _io._io.GdsFile(str(path), False)
+                except RuntimeError:
+                    return 0, errno.ENOENT if not path.exists() else errno.EIO
+        n = f.read(staging, size, file_off, dev_off)
+        return (n, 0) if n >= 0 else (0, -n if -n < 5000 else errno.EIO)
+    with store._lock:
+        try:
+            fd = store._seg_fd(seg)
+        except OSError:
+            return 0, errno.ENOENT
+    [(done, err)] = store._eng.pread([(fd, file_off, size, staging.numpy(), dev_off)])
+    return done, err
+
+
+def device_crc(store: PersistentStore, staging: torch.Tensor, ranges: list[tuple[int, int]]) -> list[int]:
+    if not ranges:
+        return []
+    if staging.device.type == "cuda":
+        off = torch.tensor([o for o, _ in ranges], dtype=torch.long, device=staging.device)
+        ln = torch.tensor([n for _, n in ranges], dtype=torch.long, device=staging.device)
+        return [c & 0xFFFFFFFF for c in _io._io.crc32c_device(staging, off, ln).cpu().tolist()]
+    return store._eng.crc32c_many(staging.numpy(), ranges)
+
+
+def read_into(store: PersistentStore, rids: list[int], tokens: np.ndarray | None, key: bytes, dst: torch.Tensor) -> list[str]:
+    """read() into rows of a tensor on any device. With a CUDA tensor and GPUDirect
+    Storage the records go from the SSD straight into device memory; the data CRCs are
+    computed there, and only each record's head (header, token ids, key) comes back to
+    the host for the remaining checks (the same C++ check as read()). Verified payloads
+    are then copied device to device into dst. On the CPU the same steps run with pread
+    and the host CRC."""
+    if not rids:
+        return []
+    t0 = time.perf_counter()
+    P = store.identity.block_bytes
+    if dst.dtype != torch.uint8 or dst.dim() != 2 or dst.shape[1] != P or dst.shape[0] < len(rids):
+        raise ValueError(f"dst must be uint8 [{len(rids)}, {P}]")
+    if tokens is not None:
+        tokens = np.ascontiguousarray(tokens, dtype="<u4")
+    status = ["ok"] * len(rids)
+    with store._lock:
+        recs = [store._ix.recs.get(rid) for rid in rids]
+    groups = group_records(recs, status)
+    staging = torch.empty(max(1, sum(g[2] for g in groups)), dtype=torch.uint8, device=dst.device)
+    where, got, pos = {}, {}, 0
+    for seg, file_off, size, members in groups:
+        done, err = device_read(store, seg, staging, size, file_off, pos)
+        for i in members:
+            rel_end = recs[i].offset - file_off + recs[i].padded
+            where[i] = pos + recs[i].offset - file_off
+            got[i] = recs[i].padded if done >= rel_end else max(0, done - (rel_end - recs[i].padded))
+            if done < rel_end and err:
+                status[i] = "missing" if err in (errno.ENOENT, errno.EBADF) else "io"
+        pos += size
+    live = [i for i in range(len(rids)) if status[i] == "ok"]
+    if not live:
+        settle(store, rids, recs, status, t0)
+        return status
+    # The heads come back to the host first: their record_bytes say which range to checksum.
+    T = store.identity.block_tokens
+    head_bytes = _io.align_up(sf.REC_HEADER_BYTES + 4 * T + len(key))
+    heads_dev = torch.stack([staging[where[i]: where[i] + head_bytes] if got[i] >= head_bytes
+                             else torch.zeros(head_bytes, dtype=torch.uint8, device=dst.device)
+                             for i in live])
+    heads = heads_dev.cpu().numpy()
+    hdr = heads[:, : sf.REC_HEADER_BYTES].copy().view(sf.REC_DTYPE).reshape(-1)
+    ranges = []
+    for k, i in enumerate(live):
+        end = min(int(hdr["record_bytes"][k]), got[i])
+        ranges.append((where[i] + sf.REC_HEADER_BYTES, max(0, end - sf.REC_HEADER_BYTES)))
+    crcs = device_crc(store, staging, ranges)
+    specs = [(k * head_bytes, recs[i].padded, recs[i].rid, recs[i].parent, recs[i].block_index, recs[i].hash,
+              i, crcs[k], got[i]) for k, i in enumerate(live)]
+    codes = _io._io.check_heads(heads.reshape(-1), specs, tokens, key, P, head_bytes)
+    for i, code in zip(live, codes):
+        status[i] = RECORD_STATUS[code]
+    row = {i: k for k, i in enumerate(live)}
+    check_parents(store, recs, status, lambda i: hdr[row[i]])
+    for k, i in enumerate(live):
+        if status[i] == "ok":
+            po = int(hdr["payload_offset"][k])
+            dst[i].copy_(staging[where[i] + po: where[i] + po + P], non_blocking=True)
+    settle(store, rids, recs, status, t0)
+    return status
+
+
+def read(store: PersistentStore, rids: list[int], tokens: np.ndarray | None, key: bytes, out: np.ndarray | None) -> list[str]:
+    """Reads and verifies records `rids` (one per row of `tokens`, uint32 [n, T]); copies
+    the payload of each verified one into row i of `out` (uint8 [n, block_bytes]).
+
+    Returns one status per record: "ok", "collision" (intact but another prefix: token
+    ids or key differ), or the failure that removed it: "missing", "truncated",
+    "header", "checksum", "io". With tokens None the token ids are not compared.
+    """
+    if not rids:
+        return []
+    t0 = time.perf_counter()
+    P = store.identity.block_bytes
+    if tokens is not None:
+        tokens = np.ascontiguousarray(tokens, dtype="<u4")
+        if tokens.ndim != 2 or tokens.shape[0] < len(rids):
+            raise ValueError(f"tokens must be uint32 [{len(rids)}, T], got {tokens.shape}")
+    if out is not None and (out.dtype != np.uint8 or out.size < len(rids) * P or not out.flags.c_contiguous):
+        raise ValueError(f"out must be contiguous uint8 [{len(rids)}, {P}]")
+    with store._lock:
+        recs = [store._ix.recs.get(rid) for rid in rids]
+        store._active_reads += 1
+    try:
+        status, item, where = read_checked(store, recs, tokens, key, out)
+        view = item[1]
+        check_parents(store, recs, status, lambda i: view[where[i]: where[i] + sf.REC_HEADER_BYTES]
+                            .view(sf.REC_DTYPE)[0])
+        store._put_staging(item)
+    finally:
+        store._end_read()
+    settle(store, rids, recs, status, t0)
+    return status
+
+
+def load(store: PersistentStore, key: bytes, hashes: list[bytes], tokens: np.ndarray, out: np.ndarray | torch.Tensor | None,
+         parent: int = 0) -> list[int]:
+    """The longest verified chain for `hashes` (blocks whose token ids are the rows of
+    `tokens`) below record `parent`: copies payloads into the rows of `out` (a host
+    array, or a tensor on any device: see read_into) and returns the record ids. A record that is a collision or fails verification ends the chain
+    there, after any other candidate for that block has been tried."""
+    loaded: list[int] = []
+    exclude: set[int] = set()
+    per = max(1, READ_BATCH // _padded_guess(store))
+    i = 0
+    while i < len(hashes):
+        chain = store.walk(key, hashes[i:], loaded[-1] if loaded else parent, exclude)
+        if not chain:
+            break
+        stopped = False
+        for s in range(0, len(chain), per):
+            part = chain[s: s + per]
+            rows = None if out is None else out[i: i + len(part)]
+            if isinstance(out, torch.Tensor):
+                st = read_into(store, part, tokens[i: i + len(part)], key, rows)
+            else:
+                st = read(store, part, tokens[i: i + len(part)], key, rows)
+            k = next((j for j, x in enumerate(st) if x != "ok"), len(st))
+            loaded += part[:k]
+            i += k
+            if k < len(part):
+                exclude.add(part[k])  # then look for another candidate for block i
+                stopped = True
+                break
+        if not stopped:
+            break
+    if loaded:
+        store.touch(loaded)
+    return loaded
+
+
+def _padded_guess(store: PersistentStore) -> int:
+    return _io.align_up(store.identity.block_bytes + 4096)
