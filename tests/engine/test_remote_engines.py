@@ -1,0 +1,65 @@
+"""Two engine processes, one remote tier (Mooncake for global KV, Redis for SWA snapshots):
+process B resumes process A's conversation from the remote tier bit-identical to a local
+both-hit, and after the snapshot's TTL takes bounded replay over the remote global KV,
+identical to the same replay from a local cache."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dsv41.engine import Engine, SamplingParams
+
+from ..remote_env import local_servers
+from .conftest import Clock
+from .remote_child import BLOCK, NEW, NS, TURN1, digest, make_cache
+
+CHILD = Path(__file__).with_name("remote_child.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(phase: str, s, *extra: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(ROOT)]
+                                                       + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    p = subprocess.run([sys.executable, str(CHILD), phase, "--blocks", s.blocks_url, "--snapshots",
+                        s.snapshots_url, *extra], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_process_b_resumes_process_a_from_the_remote_tier(tiny_model, tmp_path):
+    with local_servers(tmp_path) as s:
+        a = _run("write", s)
+        b = _run("resume", s, "--history", json.dumps(a))
+    # The same conversations in one process with a local cache only (no remote tier).
+    clock = Clock()
+    local = make_cache(tiny_model, None, None, 60.0, clock=clock)
+    eng = Engine(tiny_model, cache=local, replay="bounded")
+    sp = SamplingParams(max_new_tokens=3, temperature=0.0)
+    ref = {}
+    for conv in (1, 2):
+        o1 = eng.generate([TURN1[conv]], sp, namespace=NS)[0]
+        assert o1.output_tokens == a[str(conv)]["output"]
+        if conv == 2:
+            clock.t += 61.0          # past the TTL: the local snapshots expire
+        prompt = TURN1[conv] + o1.output_tokens + NEW[conv]
+        o2 = eng.generate([prompt], sp, namespace=NS)[0]
+        ref[conv] = (o2, digest(local, prompt))
+    local.close()
+    # conversation 1: a both-hit from remote bytes, bit-identical to the local both-hit
+    r1, (o, d) = b["1"], ref[1]
+    assert r1["path"] == o.stats.path == "both_hit"
+    assert r1["output"] == o.output_tokens
+    assert r1["global_hit"] == o.stats.global_hit_tokens > 0 and r1["swa_hit"] == o.stats.swa_hit_tokens > 0
+    assert r1["digest"] == d and d["snapshot_tokens"] > 0
+    # conversation 2: the snapshot expired (Redis TTL); bounded replay over remote global KV
+    r2, (o, d) = b["2"], ref[2]
+    assert r2["path"] == o.stats.path == "encoder_replay"
+    assert r2["output"] == o.output_tokens and r2["replayed"] == o.stats.replayed_tokens > 0
+    assert r2["global_hit"] == o.stats.global_hit_tokens >= 4 * BLOCK
+    rem = b["remote"]
+    assert rem["dsv41_cache_remote_hits_total"]["role=blocks"] >= 8
+    assert rem["dsv41_cache_remote_hits_total"]["role=snapshots"] == 1
+    assert not rem.get("dsv41_cache_remote_verify_failures_total")
