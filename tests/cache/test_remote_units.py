@@ -67,7 +67,9 @@ def test_record_roundtrip_and_every_failure_kind():
     other[1, 3] += 1
     assert _ver(v, key, other, 1, chain, hashes).status == "collision"
     assert _ver(v, key, tok, 2, chain, hashes).status == "collision"
-    chain2 = chain_ids(other[:1].repeat(3, 0), key)   # a different prefix before block 1
+    before = tok.copy()
+    before[0, 0] += 1
+    chain2 = chain_ids(before, key)   # a different prefix before block 1, same block 1
     assert verify_record(v, key=key, block_index=1, block_hash=hashes[1], parent_hash=hashes[0],
                          parent_chain=chain2[0], tokens=tok[1]).status == "collision"
     assert _ver(v, key, tok, 1, chain, hashes, nbytes=999).status == "collision"
