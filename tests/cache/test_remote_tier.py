@@ -28,8 +28,9 @@ def servers(tmp_path_factory):
         yield s
 
 
-def make_cache(s, *, timeout_s=1.0, fingerprint=None, blocks=True, snapshots=True, **kw) -> PrefixCache:
-    cc = CacheConfig(block_tokens=B, device="cpu", gpu_capacity_bytes=1 << 24, swa_capacity_bytes=1 << 24,
+def make_cache(s, *, timeout_s=1.0, fingerprint=None, blocks=True, snapshots=True, block_tokens=B,
+               **kw) -> PrefixCache:
+    cc = CacheConfig(block_tokens=block_tokens, device="cpu", gpu_capacity_bytes=1 << 24, swa_capacity_bytes=1 << 24,
                      remote_blocks=s.blocks_url if blocks else None,
                      remote_snapshots=s.snapshots_url if snapshots else None,
                      remote_lookup_timeout_s=timeout_s, remote_write_timeout_s=2.0, **kw)
@@ -56,7 +57,7 @@ def snapshot(n: int, seed: int) -> SwaSnapshot:
 def write(c: PrefixCache, tok, ns: str, seed: int, snap_tokens: int | None = None):
     """Inserts every full block of tok (and a snapshot after snap_tokens), then waits for
     the background writer."""
-    nb = len(tok) // B
+    nb = len(tok) // c.block_tokens
     pay = payloads(c, nb, seed)
     m = c.insert(tok, pay, namespace=ns)
     c.release(m)
@@ -208,10 +209,11 @@ def test_redis_restart_is_a_miss_then_recovers(servers):
 
 def test_full_mooncake_evicts_and_lookups_stay_correct(tmp_path):
     with local_servers(tmp_path, redis=False, segment_bytes=16 << 20) as s:
-        a, b = make_cache(s, snapshots=False), make_cache(s, snapshots=False)
+        # 256-token blocks (~20 KB with v41-tiny): fewer, larger values, like a real model's
+        a, b = (make_cache(s, snapshots=False, block_tokens=256) for _ in range(2))
         try:
             per = max(1, (1 << 20) // a.layout.block_bytes)    # ~1 MiB per chain
-            chains = [(tokens(100 + i, per * B), i) for i in range(40)]   # ~40 MiB into 16 MiB
+            chains = [(tokens(100 + i, per * 256), i) for i in range(28)]   # ~28 MiB into 16 MiB
             written = {}
             for tok, i in chains:
                 written[i] = write(a, tok, "e", seed=100 + i)[0]
@@ -225,7 +227,7 @@ def test_full_mooncake_evicts_and_lookups_stay_correct(tmp_path):
             assert hit >= 1 and miss >= 1, (hit, miss)   # it evicted, and still serves what it holds
             d = a.metrics.to_dict()
             assert d["dsv41_cache_remote_writes_total"]["role=blocks"] \
-                + sum(d.get("dsv41_cache_remote_dropped_writes_total", {}).values()) == 40 * per
+                + sum(d.get("dsv41_cache_remote_dropped_writes_total", {}).values()) == 28 * per
         finally:
             a.close()
             b.close()

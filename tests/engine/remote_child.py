@@ -12,7 +12,6 @@ import json
 import sys
 import time
 
-import numpy as np
 import torch
 
 
@@ -20,8 +19,8 @@ def conversation(seed: int, n: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-TURN1 = {1: conversation(11, 70), 2: conversation(12, 70)}
-NEW = {1: conversation(21, 9), 2: conversation(22, 9)}
+TURN1 = {1: conversation(11, 40), 2: conversation(12, 40)}
+NEW = {1: conversation(21, 6), 2: conversation(22, 6)}
 BLOCK, NS = 16, "tenant-x"
 
 
@@ -92,5 +91,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    np.seterr(all="ignore")
     sys.exit(main())

@@ -58,8 +58,8 @@ def test_process_b_resumes_process_a_from_the_remote_tier(tiny_model, tmp_path):
     r2, (o, d) = b["2"], ref[2]
     assert r2["path"] == o.stats.path == "encoder_replay"
     assert r2["output"] == o.output_tokens and r2["replayed"] == o.stats.replayed_tokens > 0
-    assert r2["global_hit"] == o.stats.global_hit_tokens >= 4 * BLOCK
+    assert r2["global_hit"] == o.stats.global_hit_tokens >= 2 * BLOCK
     rem = b["remote"]
-    assert rem["dsv41_cache_remote_hits_total"]["role=blocks"] >= 8
+    assert rem["dsv41_cache_remote_hits_total"]["role=blocks"] >= 4
     assert rem["dsv41_cache_remote_hits_total"]["role=snapshots"] == 1
     assert not rem.get("dsv41_cache_remote_verify_failures_total")
