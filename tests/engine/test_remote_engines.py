@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from dsv41.engine import Engine, SamplingParams
 
 from ..remote_env import local_servers
@@ -29,25 +31,35 @@ def _run(phase: str, s, *extra: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_process_b_resumes_process_a_from_the_remote_tier(tiny_model, tmp_path):
-    with local_servers(tmp_path) as s:
-        a = _run("write", s)
-        b = _run("resume", s, "--history", json.dumps(a))
-    # The same conversations in one process with a local cache only (no remote tier).
+def _local_reference(model, a: dict) -> dict:
     clock = Clock()
-    local = make_cache(tiny_model, None, None, 60.0, clock=clock)
-    eng = Engine(tiny_model, cache=local, replay="bounded")
+    local = make_cache(model, None, None, 60.0, clock=clock)
+    eng = Engine(model, cache=local, replay="bounded")
     sp = SamplingParams(max_new_tokens=3, temperature=0.0)
     ref = {}
     for conv in (1, 2):
         o1 = eng.generate([TURN1[conv]], sp, namespace=NS)[0]
-        assert o1.output_tokens == a[str(conv)]["output"]
+        assert o1.output_tokens == a[str(conv)]["output"]   # process A computed the same turn 1
         if conv == 2:
             clock.t += 61.0          # past the TTL: the local snapshots expire
         prompt = TURN1[conv] + o1.output_tokens + NEW[conv]
         o2 = eng.generate([prompt], sp, namespace=NS)[0]
         ref[conv] = (o2, digest(local, prompt))
     local.close()
+    return ref
+
+
+def test_process_b_resumes_process_a_from_the_remote_tier(tiny_model, tmp_path):
+    with local_servers(tmp_path) as s:
+        a = _run("write", s)
+        b = _run("resume", s, "--history", json.dumps(a))
+    # The same conversations in one process with a local cache only (no remote tier).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as in the children: all three processes run the same kernels
+    try:
+        ref = _local_reference(tiny_model, a)
+    finally:
+        torch.set_num_threads(threads)
     # conversation 1: a both-hit from remote bytes, bit-identical to the local both-hit
     r1, (o, d) = b["1"], ref[1]
     assert r1["path"] == o.stats.path == "both_hit"
