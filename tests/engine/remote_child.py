@@ -42,11 +42,11 @@ def digest(cache, prompt) -> dict:
         cache.release(m)
 
 
-def make_cache(model, blocks, snapshots, ttl, clock=time.time):
+def make_cache(model, blocks, snapshots, ttl, clock=time.time, timeout_s=2.0):
     from dsv41.cache import CacheConfig, PrefixCache
     cc = CacheConfig(block_tokens=BLOCK, device="cpu", gpu_capacity_bytes=1 << 24, swa_capacity_bytes=1 << 26,
                      swa_ttl_s=ttl, remote_blocks=blocks, remote_snapshots=snapshots, remote_snapshot_ttl_s=ttl,
-                     remote_lookup_timeout_s=2.0)
+                     remote_lookup_timeout_s=timeout_s)
     c = PrefixCache(model.config, cc, clock=clock)
     if blocks or snapshots:
         assert c.remote.wait_connected(30.0), "remote tier not reachable"

@@ -8,8 +8,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dsv41.engine import Engine, SamplingParams
@@ -75,3 +77,55 @@ def test_process_b_resumes_process_a_from_the_remote_tier(tiny_model, tmp_path):
     assert rem["dsv41_cache_remote_hits_total"]["role=blocks"] >= 4
     assert rem["dsv41_cache_remote_hits_total"]["role=snapshots"] == 1
     assert not rem.get("dsv41_cache_remote_verify_failures_total")
+
+
+def test_engine_serves_correctly_through_remote_faults(tiny_model, tmp_path):
+    """Requests through an engine whose remote tier breaks under it (a corrupt block, a
+    Redis restart, a dead storage process, a dead master) get the tokens a cache-less
+    engine computes, each lookup within its deadline, and every fault is counted."""
+    sp = SamplingParams(max_new_tokens=2, temperature=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with local_servers(tmp_path, segment_bytes=16 << 20) as s:
+            writer = make_cache(tiny_model, s.blocks_url, s.snapshots_url, 60.0)
+            reader = make_cache(tiny_model, s.blocks_url, s.snapshots_url, 60.0, timeout_s=0.1)
+            prompts = {i: TURN1[1][:8] + [i] * 40 for i in range(5)}
+            Engine(tiny_model, cache=writer).generate([prompts[i] for i in range(1, 5)], sp, namespace=NS)
+            assert writer.remote.flush(30.0)
+            # prompt 0's first block: a well-formed record with one flipped bit, written with
+            # Mooncake's own client
+            key = writer.key(NS)
+            tok = np.asarray(prompts[0][:BLOCK], dtype=np.uint32).reshape(1, BLOCK)
+            h = writer.hasher.hash_blocks(tok.reshape(-1), key)
+            ((k, v),) = writer.remote.block_values(key, NS, h, tok, [0],
+                                                   np.zeros((1, writer.layout.block_bytes), np.uint8), 0,
+                                                   writer.hasher.root(key))
+            v[-5] ^= 4
+            assert writer.remote.blocks.backend.client.put_batch([k], [bytes(v)]) == 0
+            eng = Engine(tiny_model, cache=reader, replay="bounded")
+            plain = Engine(tiny_model)
+
+            def serve(i: int, what: str):
+                want = plain.generate([prompts[i]], sp)[0].output_tokens
+                t0 = time.perf_counter()
+                o = eng.generate([prompts[i]], sp, namespace=NS)[0]
+                assert o.output_tokens == want, what
+                return o, time.perf_counter() - t0
+
+            o, _ = serve(0, "corrupt block")
+            s.restart_redis()
+            serve(1, "redis restarted")
+            s.kill("mooncake_storage")
+            serve(2, "storage process killed")
+            s.kill("mooncake_master")
+            for i in (3, 4):
+                _, took = serve(i, "master killed")
+                assert took < 3.0, took      # never the client's ~4.3 s hang
+            m = reader.metrics.to_dict()
+            assert m["dsv41_cache_remote_verify_failures_total"]["role=blocks,kind=corrupt"] >= 1
+            assert sum(v for k, v in m["dsv41_cache_remote_errors_total"].items() if "mooncake" in k) >= 1
+            writer.close()
+            reader.close()
+    finally:
+        torch.set_num_threads(threads)

@@ -160,15 +160,23 @@ class Guarded:
                 self._busy -= 1
 
     def close(self, timeout_s: float = 1.0) -> None:
-        """Closes the backend, waiting at most timeout_s (a client whose server is gone
-        can hang in close too)."""
+        """Closes the backend, waiting at most timeout_s. A client must not be closed under
+        a call still running in a worker (Mooncake's segfaults): when calls hang past the
+        wait, the client is left to be freed with the last reference to it instead."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        end = time.monotonic() + timeout_s
+        while self._busy and time.monotonic() < end:
+            time.sleep(0.01)
+        with self._lock:
+            if self._busy:
+                return
 
         def _close():
             try:
                 self.backend.close()
             except Exception:  # closing a broken client: nothing left to do
                 pass
+        # A client whose server is gone can hang in close too.
         t = threading.Thread(target=_close, name=f"dsv41-remote-close-{self.name}", daemon=True)
         t.start()
-        t.join(timeout_s)
+        t.join(max(0.0, end - time.monotonic()) + 0.5)
