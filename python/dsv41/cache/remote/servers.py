@@ -44,6 +44,12 @@ def find_binary(name: str) -> str:
     return found
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
 def _http(url: str, timeout: float = 1.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode(errors="replace")
@@ -51,12 +57,15 @@ def _http(url: str, timeout: float = 1.0) -> str:
 
 class LocalServers:
     def __init__(self, workdir: str | os.PathLike, *, mooncake: bool = True, redis: bool = True,
-                 segment_bytes: int = 64 << 20, redis_maxmemory: str = "256mb"):
+                 segment_bytes: int = 64 << 20, redis_maxmemory: str = "256mb", die_with_parent: bool = True):
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.want_mooncake, self.want_redis = mooncake, redis
         self.segment_bytes = max(segment_bytes, 16 << 20)  # mooncake_client's minimum
         self.redis_maxmemory = redis_maxmemory
+        # Tests: a crashed test process must not leave servers behind (Linux: the kernel
+        # sends SIGTERM when the process that started them dies). The CLI turns this off.
+        self.die_with_parent = die_with_parent and sys.platform.startswith("linux")
         self.procs: dict[str, subprocess.Popen] = {}
         self.ports: dict[str, int] = {}
         self.env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
@@ -84,7 +93,7 @@ class LocalServers:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.dir / f"{name}.log", "ab")
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=_die_with_parent if self.die_with_parent else None)
         log.close()
         self.procs[name] = p
         return p
@@ -229,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if state.exists():
         print(f"{state} exists: servers are running (stop them first)", file=sys.stderr)
         return 1
-    s = LocalServers(a.dir or state.with_suffix(".d"), segment_bytes=a.segment_mb << 20).start()
+    s = LocalServers(a.dir or state.with_suffix(".d"), segment_bytes=a.segment_mb << 20, die_with_parent=False).start()
     # The servers outlive this process (own sessions); stop them with `stop`.
     state.write_text(json.dumps({"pids": s.pids(), "ports": s.ports, "blocks": s.blocks_url,
                                  "snapshots": s.snapshots_url, "logs": str(s.dir)}, indent=1))
