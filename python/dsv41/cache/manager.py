@@ -385,4 +385,3 @@ class PrefixCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
