@@ -263,3 +263,33 @@ def test_dead_storage_process_and_dead_master_are_bounded_misses(tmp_path):
         finally:
             a.close()
             b.close()
+
+
+def test_per_tenant_redis_acl_user_as_documented(servers):
+    """The ACL line of docs/remote.md: tenant-a's user reads and writes its own snapshots
+    through the tier and cannot touch another tenant's keys."""
+    import redis
+    admin = redis.Redis.from_url(servers.snapshots_url)
+    admin.execute_command("ACL", "SETUSER", "dsv41-tenant-a", "on", ">pw-a", "resetkeys", "~dsv41:tenant-a:*",
+                          "-@all", "+get", "+getex", "+set", "+exists", "+del", "+ping")
+    url = f"redis://dsv41-tenant-a:pw-a@127.0.0.1:{servers.ports['redis']}/0"
+    a = PrefixCache(CONFIG, CacheConfig(block_tokens=B, device="cpu", gpu_capacity_bytes=1 << 24,
+                                        swa_capacity_bytes=1 << 24, remote_snapshots=url,
+                                        remote_lookup_timeout_s=1.0))
+    try:
+        assert a.remote.wait_connected(20.0)
+        tok = tokens(20, 2 * B + 1)
+        for ns in ("tenant-a", "tenant-b"):
+            a.release(a.insert(tok, payloads(a, 2, 20), namespace=ns))
+            a.put_snapshot(tok, snapshot(2 * B + 1, 20), namespace=ns)
+        assert a.remote.flush(20.0)
+        d = a.metrics.to_dict()
+        assert d["dsv41_cache_remote_writes_total"] == {"role=snapshots": 1}               # tenant-a's only
+        assert d["dsv41_cache_remote_dropped_writes_total"] == {"role=snapshots,cause=error": 1}
+        assert admin.exists(a.remote.snapshot_key("tenant-a", a.hasher.hash_blocks(tok[: 2 * B], a.key("tenant-a"))[1]))
+        user = redis.Redis.from_url(url)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            user.get("dsv41:tenant-b:x")
+    finally:
+        a.close()
+        admin.execute_command("ACL", "DELUSER", "dsv41-tenant-a")
