@@ -84,10 +84,10 @@ class _Work:
 
 class RemoteTier:
     def __init__(self, rc: RemoteConfig, *, fingerprint: str, block_tokens: int, block_bytes: int,
-                 metrics: RemoteMetrics, clock=time.time):
+                 metrics: RemoteMetrics):
         if rc.blocks is None and rc.snapshots is None:
             raise ValueError("RemoteTier: no endpoint given")
-        self.rc, self.metrics, self.clock = rc, metrics, clock
+        self.rc, self.metrics = rc, metrics
         self.model_tag = fingerprint[:16]
         self.block_tokens, self.block_bytes = block_tokens, block_bytes
         opened: dict[str, Guarded] = {}
