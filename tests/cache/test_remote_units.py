@@ -13,7 +13,7 @@ from dsv41.cache import CacheKey, MetricsRegistry, SwaSnapshot
 from dsv41.cache.remote import (CircuitBreaker, Guarded, RemoteBackend, RemoteMetrics, RemoteUnavailable,
                                 namespace_tag)
 from dsv41.cache.remote.breaker import CLOSED, HALF_OPEN, OPEN
-from dsv41.cache.remote.record import chain_ids, encode_record, verify_record
+from dsv41.cache.remote.record import chain_ids, encode_record, encode_records, verify_record
 from dsv41.cache.remote.snapshot_codec import decode_snapshot, encode_snapshot
 
 B = 16
@@ -73,6 +73,14 @@ def test_record_roundtrip_and_every_failure_kind():
     assert verify_record(v, key=key, block_index=1, block_hash=hashes[1], parent_hash=hashes[0],
                          parent_chain=chain2[0], tokens=tok[1]).status == "collision"
     assert _ver(v, key, tok, 1, chain, hashes, nbytes=999).status == "collision"
+    # the batch encoder writes the same bytes
+    parents = [b"r" * 32] + hashes[:2]
+    one = [encode_record(key=key, tokens=tok[i], payload=pay[i], block_index=i, block_hash=hashes[i],
+                         parent_hash=parents[i], chain_id=chain[i], parent_chain=chain[i - 1] if i else 0,
+                         created_ns=7) for i in range(3)]
+    many = encode_records(key=key, tokens=tok, payloads=pay, block_indices=[0, 1, 2], block_hashes=hashes,
+                          parent_hashes=parents, chain_ids=chain, parent_chains=[0] + chain[:2], created_ns=7)
+    assert [bytes(x) for x in many] == [bytes(x) for x in one]
 
 
 def test_snapshot_codec_roundtrip():

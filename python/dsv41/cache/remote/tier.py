@@ -32,7 +32,7 @@ import torch
 from ..swa_pool import SwaSnapshot
 from .base import Guarded, RemoteBackend, RemoteFull, RemoteUnavailable
 from .metrics import RemoteMetrics
-from .record import chain_ids, encode_record, verify_record
+from .record import chain_ids, encode_record, encode_records, verify_record
 from .snapshot_codec import decode_snapshot, encode_snapshot
 
 __all__ = ["RemoteTier", "RemoteConfig", "open_backend", "namespace_tag"]
@@ -287,15 +287,22 @@ class RemoteTier:
                       None, overwrite=False)
 
     def block_values(self, key: bytes, namespace: str, hashes: Sequence[bytes], tok: np.ndarray,
-                     which: Sequence[int], payloads, start: int, root: bytes) -> list[tuple[str, bytes]]:
+                     which: Sequence[int], payloads, start: int, root: bytes) -> list[tuple[str, memoryview]]:
         """(remote key, value) of blocks `which` (payloads row i - start is block i)."""
+        which = list(which)
         chain = chain_ids(tok[: max(which) + 1], key)
         rows = payloads.contiguous().view(torch.uint8).numpy() if isinstance(payloads, torch.Tensor) else payloads
-        return [(self.block_key(namespace, hashes[i]),
-                 encode_record(key=key, tokens=tok[i], payload=rows[i - start], block_index=i, block_hash=hashes[i],
-                               parent_hash=hashes[i - 1] if i else root, chain_id=chain[i],
-                               parent_chain=chain[i - 1] if i else 0))
-                for i in which]
+        if which == list(range(which[0], which[-1] + 1)):   # a run (the usual case): views, no gather
+            sel = slice(which[0], which[-1] + 1)
+            t, p = tok[sel], rows[which[0] - start: which[-1] + 1 - start]
+        else:
+            t, p = tok[which], rows[np.asarray(which) - start]
+        values = encode_records(key=key, tokens=t, payloads=p, block_indices=which,
+                                block_hashes=[hashes[i] for i in which],
+                                parent_hashes=[hashes[i - 1] if i else root for i in which],
+                                chain_ids=[chain[i] for i in which],
+                                parent_chains=[chain[i - 1] if i else 0 for i in which])
+        return [(self.block_key(namespace, hashes[i]), v) for i, v in zip(which, values)]
 
     def snapshot_value(self, key: bytes, namespace: str, arr: np.ndarray, hashes: Sequence[bytes], root: bytes,
                        snap: SwaSnapshot) -> tuple[str, bytes]:
