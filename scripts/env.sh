@@ -10,6 +10,22 @@ cd "$ROOT"
 
 log() { printf '[dsv41 setup] %s\n' "$*" >&2; }
 
+# System packages of the remote tier's tests (cache/remote): Mooncake's transfer engine
+# needs libibverbs even over tcp; redis-server is the snapshot store. Installed when missing
+# and we are root (CI); elsewhere a note says what to install.
+need_apt=()
+[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need_apt+=(libibverbs1)
+command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || need_apt+=(redis-server)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "apt-get install ${need_apt[*]}"
+    apt-get install -y -q --no-install-recommends "${need_apt[@]}" >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "${need_apt[@]}" >/dev/null; }
+  else
+    log "missing ${need_apt[*]} (apt-get install them): the remote-tier tests will be skipped"
+  fi
+fi
+
 if [ ! -x "$PY" ]; then
   log "creating $VENV"
   "${DSV41_BASE_PYTHON:-python3}" -m venv "$VENV"

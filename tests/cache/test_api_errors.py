@@ -93,3 +93,18 @@ def test_namespace_must_be_a_utf8_str(bad, err):
         cache.insert(prompt, torch.zeros(2, LAYOUT.block_bytes, dtype=torch.uint8), namespace=bad)
     with pytest.raises(err, match="extra key"):
         cache.match(prompt, extra=[("lora", bad)])
+
+
+def test_remote_tier_needs_a_weights_identity_like_the_store():
+    """A remote tier is shared by every server process: without the weights' identity its
+    keys cannot tell two models of one config apart, so it stays off (no connection is even
+    attempted: the endpoints here point at a closed port) and says so once."""
+    cc = CacheConfig(block_tokens=B, device="cpu", gpu_capacity_bytes=1 << 22, swa_capacity_bytes=1 << 22,
+                     remote_blocks="mooncake://127.0.0.1:9", remote_snapshots="redis://127.0.0.1:9/0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = PrefixCache(TINY, cc)
+    assert cache.remote is None
+    msgs = [str(w.message) for w in caught if issubclass(w.category, StoreDisabledWarning)]
+    assert len(msgs) == 1 and "remote tier is off" in msgs[0] and "weights identity" in msgs[0]
+    cache.close()

@@ -10,9 +10,11 @@
     cache.release(m)
 
 Lookup order: the GPU pool first, then the SSD store continues the chain where the pool
-stops (its blocks are read, verified and copied into the pool: "promoted"), then the SWA
-pool is asked for the longest snapshotted prefix. A snapshot is only returned when the
-global KV of all its full blocks is in the match, so resuming from it is exact.
+stops (its blocks are read, verified and copied into the pool: "promoted"), then the remote
+tier continues it (cache/remote: Mooncake, Redis; promoted the same way), then the SWA
+pool is asked for the longest snapshotted prefix, and the remote tier when it has none. A
+snapshot is only returned when the global KV of all its full blocks is in the match, so
+resuming from it is exact. Writes to the remote tier are queued for a background writer.
 
 Admission to the SSD tier: with admit_after_hits = 0 (default) a block is written right
 after the prefill that computed it; with N > 0 only once it has been matched N times
@@ -58,6 +60,7 @@ from .global_pool import GlobalKVPool
 from .hashing import BlockHasher, CacheKey, HashFn, as_token_array, model_fingerprint, sha256
 from .layout import DEFAULT_BLOCK_TOKENS, PAYLOAD_FORMAT_VERSION, BlockLayout
 from .metrics import CacheMetrics
+from .remote import hook as _remote
 from .store import DEFAULT_SEGMENT_BYTES, DEFAULT_TTL_S, PersistentStore, StoreIdentity
 from .swa_pool import DEFAULT_TTL_S as SWA_TTL_S
 from .swa_pool import SwaSnapshotPool, TensorSnapshot
@@ -100,6 +103,15 @@ class CacheConfig:
     hash_fn: HashFn = sha256
     hash_name: str = "sha256"
     io_threads: int = 4
+    # Remote tier (cache/remote, docs/remote.md): None = none.
+    remote_blocks: str | None = None          # e.g. "mooncake://10.0.0.5:50051"
+    remote_snapshots: str | None = None       # e.g. "redis://10.0.0.6:6379/0"
+    remote_lookup_timeout_s: float = 0.05     # per remote lookup call (+ transfer time)
+    remote_write_timeout_s: float = 2.0       # per background write call
+    remote_snapshot_ttl_s: float | None = SWA_TTL_S
+    remote_queue_items: int = 256             # queued writes before new ones are dropped
+    remote_breaker_failures: int = 3
+    remote_breaker_cooldown_s: float = 5.0
 
 
 @dataclass
@@ -115,6 +127,8 @@ class PrefixMatch:
     block_tokens: int
     gpu_blocks: int = 0           # blocks found in the GPU pool
     ssd_blocks: int = 0           # blocks loaded from the SSD tier into the pool
+    remote_blocks: int = 0        # blocks loaded from the remote tier into the pool
+    remote_snapshot: bool = False  # the snapshot came from the remote tier
     snapshot: TensorSnapshot | None = None
     released: bool = field(default=False, repr=False)
 
@@ -171,6 +185,15 @@ class PrefixCache:
         self._committer = None
         if self.store is not None and cc.store_write_behind_bytes > 0:
             self._committer = _BackgroundCommitter(self.store)
+        self.remote = None
+        if cc.remote_blocks or cc.remote_snapshots:
+            if self.weights_id is None:   # the same rule as the store: a shared tier needs the weights' identity
+                self._no_store(
+                    "the remote tier is off: the model has no weights identity, so its keys cannot tell it "
+                    "from another model with the same config. Memory tiers only. Fix: give the model a "
+                    "weights_id (see the store warning's fix) before PrefixCache.for_model(model, ...)")
+            else:
+                self.remote = _remote.open_tier(self)
 
     @classmethod
     def for_model(cls, model, cache_config: CacheConfig | None = None, **kw) -> "PrefixCache":
@@ -263,12 +286,18 @@ class PrefixCache:
         m = PrefixMatch(key, namespace, arr, hashes, bids, B, gpu_blocks=len(bids))
         if self.store is not None and len(bids) < nb:
             m.ssd_blocks = self._promote(m, tok)
+        if self.remote is not None and m.num_blocks < nb:
+            m.remote_blocks = _remote.promote_blocks(self, m, tok)
         if self.swa is not None:
             snap = self.swa.get(key, arr, hashes, max_tokens=limit)
             if snap is not None and snap.num_tokens // B <= m.num_blocks:
                 m.snapshot = snap
-        self.metrics.record_lookup(arr.size, {"gpu": m.gpu_blocks * B, "ssd": m.ssd_blocks * B,
-                                              "swa": m.snapshot_tokens})
+        if self.remote is not None and m.snapshot is None:
+            _remote.find_snapshot(self, m, arr, limit)
+        hits = {"gpu": m.gpu_blocks * B, "ssd": m.ssd_blocks * B, "swa": 0 if m.remote_snapshot else m.snapshot_tokens}
+        if self.remote is not None:
+            hits.update(remote=m.remote_blocks * B, remote_swa=m.snapshot_tokens if m.remote_snapshot else 0)
+        self.metrics.record_lookup(arr.size, hits)
         self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
         if self.store is not None and m.num_blocks:
             n = self.cache_config.admit_after_hits
@@ -382,6 +411,8 @@ class PrefixCache:
         match.block_ids.extend(new)
         match.hashes = hashes[:nb]
         match.tokens = arr
+        if self.remote is not None:
+            self.remote.enqueue_blocks(key, namespace, hashes[:nb], tok, start, payloads, self.hasher.root(key))
         if self.store is not None and self.cache_config.admit_after_hits == 0:
             self._persist(match, nb, payloads, start, admit=lambda slot: True)
         return match
@@ -471,6 +502,8 @@ class PrefixCache:
                      extra: Sequence[tuple[str, str]] = (), hashes: Sequence[bytes] | None = None) -> bool:
         """Stores the SWA snapshot of the state after exactly `tokens` (end of prompt, end
         of output). Returns False when there is no SWA tier or it does not fit."""
+        if self.remote is not None:
+            _remote.put_snapshot(self, tokens, snapshot, namespace, extra, hashes)
         if self.swa is None:
             return False
         return self.swa.put(self.key(namespace, extra), tokens, snapshot, hashes)
@@ -495,7 +528,9 @@ class PrefixCache:
                "ssd": self.store.stats() if self.store is not None else None}
         m = self.metrics
         asked = m.lookup_tokens.value()
-        out["hit_rate"] = {t: (m.hit_tokens.value(tier=t) / asked if asked else 0.0) for t in ("gpu", "ssd", "swa")}
+        tiers = ("gpu", "ssd", "swa") + (("remote", "remote_swa") if self.remote is not None else ())
+        out["hit_rate"] = {t: (m.hit_tokens.value(tier=t) / asked if asked else 0.0) for t in tiers}
+        out["remote"] = self.remote.stats() if self.remote is not None else None
         out["metrics"] = m.to_dict()
         return out
 
@@ -509,6 +544,8 @@ class PrefixCache:
     def close(self) -> None:
         if self._committer is not None:
             self._committer.stop()
+        if self.remote is not None:
+            self.remote.close()
         if self.store is not None:
             self.store.close()  # commits what is still queued
 

@@ -7,7 +7,10 @@ encoder bounded replay. Per turn: the path taken, hit tokens, replayed tokens, p
 tokens, TTFT. Then a summary: hit rate per tier, bytes per ledger, prefill tokens saved,
 and the expired turns run again with replay off (recompute) to compare. The model is an
 embedded preset with synthetic weights; the persistent store lives under --cache-dir, so a
-second run starts with SSD hits. Progress goes to stderr; --json prints one JSON object.
+second run starts with SSD hits. With --remote-blocks / --remote-snapshots (a Mooncake
+master and a Redis server, e.g. from scripts/remote-servers.sh) the cache also has the
+remote tier: a run with --fresh (empty local SSD) then resumes from what an earlier run
+wrote there. Progress goes to stderr; --json prints one JSON object.
 """
 from __future__ import annotations
 
@@ -80,8 +83,14 @@ def run_demo(args, out=None, err=None) -> dict:
     ttl = args.swa_ttl
     cc = CacheConfig(block_tokens=args.block_tokens, device="cpu", gpu_capacity_bytes=64 << 20,
                      swa_capacity_bytes=256 << 20, swa_ttl_s=ttl, store_dir=str(root / "store"),
-                     store_durability="none", store_direct_io=False)
+                     store_durability="none", store_direct_io=False,
+                     remote_blocks=args.remote_blocks, remote_snapshots=args.remote_snapshots,
+                     remote_lookup_timeout_s=args.remote_timeout_ms / 1e3, remote_snapshot_ttl_s=ttl)
     cache = PrefixCache.for_model(model, cc, clock=clock)
+    if cache.remote is not None:
+        ok = cache.remote.wait_connected(10.0)
+        progress(f"[demo] remote tier: blocks {args.remote_blocks}, snapshots {args.remote_snapshots}"
+                 f"{'' if ok else ' (not reachable yet: lookups miss until it is)'}")
     engine = Engine(model, cache=cache, replay="bounded", max_batch=args.conversations)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     shared, convs = _workload(args, config.vocab_size)
@@ -148,6 +157,8 @@ def run_demo(args, out=None, err=None) -> dict:
                                            "ttft_ms": o.stats.ttft_s * 1e3},
                             "same_first_token": o.output_tokens[:1] == on_rec["output_tokens"][:1]})
 
+    if cache.remote is not None:
+        cache.remote.flush(10.0)  # the next run (or server) should find this run's writes
     stats = cache.stats()
     m = stats["metrics"]
     prompt_total = sum(t["prompt_tokens"] for t in turns_out)
@@ -229,6 +240,11 @@ def add_demo_parser(sub) -> None:
     d.add_argument("--block-tokens", type=int, default=16)
     d.add_argument("--swa-ttl", type=float, default=300.0, help="SWA snapshot TTL (s)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--remote-blocks", default=None, metavar="URL",
+                   help="remote tier for global KV blocks, e.g. mooncake://127.0.0.1:50051")
+    d.add_argument("--remote-snapshots", default=None, metavar="URL",
+                   help="remote tier for SWA snapshots, e.g. redis://127.0.0.1:6379/0")
+    d.add_argument("--remote-timeout-ms", type=float, default=50.0, help="deadline of one remote lookup call")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.add_argument("--quiet", action="store_true", help="no progress on stderr")
     d.set_defaults(func=lambda a: (run_demo(a), 0)[1])

@@ -1,0 +1,307 @@
+"""Remote tier benchmarks, measured in one run (ratios), JSON out.
+
+1. get / put of block payloads through the remote tier (record encode + CRC-32C on put;
+   get + verification + copy on get; deadlines and breaker included) against the backend's
+   raw client on the same payload bytes (Mooncake `put_batch`/`get_batch`, Redis pipelined
+   SET/GET), batch by batch in the same run. Payloads: global KV blocks exported from a
+   prefill of the model preset (real bytes), and random bytes of one v41-flash block.
+   Target: tier / raw throughput >= 0.8.
+2. What verification costs: verify_record alone on the same values (GB/s, us per block).
+3. Resume TTFT through the engine: cold prefill vs a resume from the local tiers (global KV
+   from the SSD store, snapshot from the host SWA pool, fresh GPU pool) vs a resume from the
+   remote tier alone (global KV from Mooncake, snapshot from Redis, fresh process-equivalent
+   cache), for a few prefix lengths.
+
+    PYTHONPATH=python python bench/bench_remote.py --json bench/results/remote-....json
+
+Starts its own Mooncake master + storage process + redis-server on loopback (or uses
+--blocks/--snapshots URLs) and stops them by PID. Progress on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+import dsv41  # noqa: E402
+from dsv41 import Model, ModelConfig  # noqa: E402
+from dsv41.cache import BlockLayout, CacheConfig, PrefixCache  # noqa: E402
+from dsv41.cache.adapter import export_blocks  # noqa: E402
+from dsv41.cache.remote.record import chain_ids, verify_record  # noqa: E402
+from dsv41.cache.remote.servers import LocalServers  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[bench_remote] {msg}", file=sys.stderr, flush=True)
+
+
+def _loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def real_payloads(model: Model, block: int, nblocks: int, seed: int) -> np.ndarray:
+    """uint8 [nblocks, block_bytes]: the global KV blocks of a prefill of random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, model.config.vocab_size, (nblocks * block,), generator=g).tolist()
+    state = model.new_state()
+    model.prefill(toks, state)
+    layout = BlockLayout(model.config, block)
+    return export_blocks(layout, state, 0, nblocks).numpy()
+
+
+def _cache(model_config, servers, block, weights_id="bench", **kw) -> PrefixCache:
+    cc = CacheConfig(block_tokens=block, device="cpu", gpu_capacity_bytes=1 << 28, swa_capacity_bytes=1 << 28,
+                     remote_blocks=servers.blocks_url, remote_snapshots=servers.snapshots_url,
+                     remote_lookup_timeout_s=5.0, remote_write_timeout_s=10.0, **kw)
+    c = PrefixCache(model_config, cc, weights_id=weights_id)
+    assert c.remote.wait_connected(30.0)
+    return c
+
+
+def bench_io(args, servers, model_config, payloads: np.ndarray, label: str) -> dict:
+    """Tier vs raw client, per backend, on `payloads` (uint8 [n, block_bytes])."""
+    block = args.block_tokens
+    n, P = payloads.shape
+    layout = BlockLayout(model_config, block)
+    if layout.block_bytes != P:   # random payloads of another preset's size: a layout-free cache
+        model_config = {"v41-flash": ModelConfig.preset("v41-flash")}.get(label.split(":")[0], model_config)
+    out = {"payload": label, "block_bytes": P, "blocks": n, "batch_blocks": args.batch, "backends": {}}
+    for role in ("blocks", "snapshots"):
+        c = _cache(model_config, servers, block, weights_id=f"bench-{label}-{role}")
+        if c.layout.block_bytes != P:
+            c.close()
+            raise SystemExit(f"layout mismatch {c.layout.block_bytes} != {P}")
+        guard = c.remote.blocks if role == "blocks" else c.remote.snapshots
+        be = guard.backend
+        raw = be.client
+        res = {"backend": be.scheme, "tier_put_s": [], "raw_put_s": [], "tier_get_s": [], "raw_get_s": [],
+               "verify_s": []}
+        for rep in range(args.repeat + 1):
+            ns = f"r{rep}"
+            tok = np.random.default_rng(rep).integers(0, 30000, size=(n, block), dtype=np.uint32)
+            key = c.key(ns)
+            hashes = c.hasher.hash_blocks(tok.reshape(-1), key)
+            root = c.hasher.root(key)
+            raw_keys = [f"raw:{label}:{role}:{rep}:{i}" for i in range(n)]
+            rows = [payloads[i].tobytes() for i in range(n)]
+            for bi, s in enumerate(range(0, n, args.batch)):
+                e = min(n, s + args.batch)
+
+                def raw_put():   # the raw client, the bare payload bytes
+                    t0 = time.perf_counter()
+                    if be.scheme == "mooncake":
+                        assert raw.put_batch(raw_keys[s:e], rows[s:e]) == 0
+                    else:
+                        p = raw.pipeline(transaction=False)
+                        for k, v in zip(raw_keys[s:e], rows[s:e]):
+                            p.set(k, v)
+                        p.execute()
+                    res["raw_put_s"].append(time.perf_counter() - t0)
+
+                def tier_put():  # records (header, CRC-32C) through the guard, as the writer does
+                    t0 = time.perf_counter()
+                    items = c.remote.block_values(key, ns, hashes, tok, range(s, e), payloads, 0, root)
+                    guard.call("put", 10.0, items)
+                    res["tier_put_s"].append(time.perf_counter() - t0)
+                for f in ((raw_put, tier_put) if bi % 2 == 0 else (tier_put, raw_put)):   # alternate who goes first
+                    f()
+            for bi, s in enumerate(range(0, n, args.batch)):
+                e = min(n, s + args.batch)
+
+                def raw_get():
+                    t0 = time.perf_counter()
+                    if be.scheme == "mooncake":
+                        got = raw.get_batch(raw_keys[s:e])
+                    else:
+                        p = raw.pipeline(transaction=False)
+                        for k in raw_keys[s:e]:
+                            p.get(k)
+                        got = p.execute()
+                    res["raw_get_s"].append(time.perf_counter() - t0)
+                    assert all(len(v) == P for v in got)
+
+                def tier_get():  # get, verify, copy into a staging array (what promotion needs)
+                    t0 = time.perf_counter()
+                    saved = c.remote.blocks
+                    c.remote.blocks = guard   # the lookup path, on this role's backend
+                    try:
+                        got = c.remote.load_blocks(key, ns, hashes[: e], tok[: e], s, root)
+                    finally:
+                        c.remote.blocks = saved
+                    res["tier_get_s"].append(time.perf_counter() - t0)
+                    assert len(got) == e - s and np.array_equal(got, payloads[s:e]), "tier get incomplete"
+                for f in ((raw_get, tier_get) if bi % 2 == 0 else (tier_get, raw_get)):
+                    f()
+            # verification alone, on values fetched once
+            vals = guard.call("get", 10.0, [c.remote.block_key(ns, h) for h in hashes])
+            chain = chain_ids(tok, key)
+            t0 = time.perf_counter()
+            for i, v in enumerate(vals):
+                ver = verify_record(v, key=key, block_index=i, block_hash=hashes[i],
+                                    parent_hash=hashes[i - 1] if i else root, parent_chain=chain[i - 1] if i else 0,
+                                    chain_id=chain[i], tokens=tok[i], payload_bytes=P)
+                assert ver.status == "ok"
+            res["verify_s"].append(time.perf_counter() - t0)
+            # Both sides' keys go, so every repetition allocates under the same conditions.
+            tier_keys = [c.remote.block_key(ns, h) for h in hashes]
+            if be.scheme == "mooncake":
+                raw.batch_remove(raw_keys + tier_keys, force=True)
+            else:
+                raw.delete(*raw_keys, *tier_keys)
+            if rep == 0:   # warm-up: connections, server allocations, first-touch pages
+                for k in res:
+                    if k.endswith("_s"):
+                        res[k].clear()
+        tot = {k: sum(v) for k, v in res.items() if k.endswith("_s")}
+        nbytes = n * P * args.repeat
+        res["mb_per_s"] = {k[:-2]: nbytes / tot[k] / 1e6 for k in tot}
+        med = {k: statistics.median(res[k]) for k in tot}
+        # Throughput ratio from the median batch (the box is shared: a load spike in one batch
+        # should not decide it); the ratio of totals beside it.
+        res["tier_over_raw"] = {"put": med["raw_put_s"] / med["tier_put_s"], "get": med["raw_get_s"] / med["tier_get_s"]}
+        res["tier_over_raw_totals"] = {"put": tot["raw_put_s"] / tot["tier_put_s"],
+                                       "get": tot["raw_get_s"] / tot["tier_get_s"]}
+        res["verify_us_per_block"] = tot["verify_s"] / (n * args.repeat) * 1e6
+        res["verify_share_of_tier_get"] = tot["verify_s"] / tot["tier_get_s"]
+        for k in ("tier_put_s", "raw_put_s", "tier_get_s", "raw_get_s", "verify_s"):
+            res[k] = {"median_batch_s": statistics.median(res[k]), "total_s": tot[k]}
+        log(f"{label} {be.scheme}: put tier/raw {res['tier_over_raw']['put']:.2f}, get tier/raw "
+            f"{res['tier_over_raw']['get']:.2f}, verify {res['verify_us_per_block']:.0f} us/block")
+        out["backends"][role] = res
+        c.close()
+    return out
+
+
+def bench_resume(args, servers, model: Model) -> list[dict]:
+    from dsv41.engine import Engine, SamplingParams
+    cfg, B = model.config, args.block_tokens
+    g = torch.Generator().manual_seed(args.seed + 7)
+    sp = SamplingParams(max_new_tokens=1, temperature=0.0)
+    rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="dsv41-bench-remote-"))
+    try:
+        for n in args.prefixes:
+            prefix = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+            tail = torch.randint(0, cfg.vocab_size, (args.suffix,), generator=g).tolist()
+            wid = f"resume-{n}-{time.time_ns()}"
+            store = tmp / f"ssd-{n}"
+
+            def cache(local_ssd: bool, remote: bool) -> PrefixCache:
+                cc = CacheConfig(block_tokens=B, device="cpu", gpu_capacity_bytes=1 << 28, swa_capacity_bytes=1 << 28,
+                                 store_dir=str(store) if local_ssd else None, store_durability="none",
+                                 store_direct_io=False,
+                                 remote_blocks=servers.blocks_url if remote else None,
+                                 remote_snapshots=servers.snapshots_url if remote else None,
+                                 remote_lookup_timeout_s=args.lookup_timeout_ms / 1e3)
+                c = PrefixCache(cfg, cc, weights_id=wid)
+                if remote:
+                    assert c.remote.wait_connected(30.0)
+                return c
+
+            log(f"resume TTFT, prefix {n}: cold (and writing every tier)")
+            w = cache(True, True)
+            cold = Engine(model, cache=w, replay="bounded").generate([prefix], sp)[0]
+            w.remote.flush(60.0)
+            m = w.match(prefix, max_tokens=n)   # the snapshot at the end of the prompt
+            snap, snap_tokens = m.snapshot, (m.snapshot.num_tokens if m.snapshot else 0)
+            w.release(m)
+            w.close()
+            prompt = prefix + tail
+            log(f"resume TTFT, prefix {n}: local SSD + host SWA pool")
+            loc = cache(True, False)
+            if snap is not None:
+                loc.put_snapshot(prefix[:snap_tokens], snap)
+            lo = Engine(model, cache=loc, replay="bounded").generate([prompt], sp)[0]
+            loc.close()
+            log(f"resume TTFT, prefix {n}: remote tier only")
+            rem = cache(False, True)
+            ro = Engine(model, cache=rem, replay="bounded").generate([prompt], sp)[0]
+            rm = {k: v for k, v in rem.metrics.to_dict().items() if k.startswith("dsv41_cache_remote_h")}
+            rem.close()
+            log(f"resume TTFT, prefix {n}: cold")
+            co = Engine(model).generate([prompt], sp)[0]
+            row = {"prefix_tokens": n, "suffix_tokens": args.suffix, "first_prefill_ttft_s": cold.stats.ttft_s}
+            for name, o in (("cold", co), ("local_ssd", lo), ("remote", ro)):
+                s = o.stats
+                row[name] = {"path": s.path, "ttft_s": s.ttft_s, "prefill_tokens": s.prefill_tokens,
+                             "global_hit_tokens": s.global_hit_tokens, "swa_hit_tokens": s.swa_hit_tokens,
+                             "ssd_hit_tokens": s.ssd_hit_tokens, "first_token": o.output_tokens[:1]}
+            row["remote_hits"] = rm
+            row["same_first_token"] = co.output_tokens[:1] == lo.output_tokens[:1] == ro.output_tokens[:1]
+            row["cold_over_remote"] = co.stats.ttft_s / ro.stats.ttft_s
+            row["local_over_remote"] = lo.stats.ttft_s / ro.stats.ttft_s
+            log(f"prefix {n}: TTFT cold {co.stats.ttft_s * 1e3:.0f} ms, local SSD {lo.stats.ttft_s * 1e3:.0f} ms "
+                f"({lo.stats.path}), remote {ro.stats.ttft_s * 1e3:.0f} ms ({ro.stats.path})")
+            rows.append(row)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="v41-tiny")
+    ap.add_argument("--block-tokens", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=128, help="blocks per get/put measurement")
+    ap.add_argument("--batch", type=int, default=16, help="blocks per call")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--prefixes", type=int, nargs="*", default=[512, 2048])
+    ap.add_argument("--suffix", type=int, default=32)
+    ap.add_argument("--lookup-timeout-ms", type=float, default=500.0)
+    ap.add_argument("--segment-mb", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: no contention on a shared box)")
+    ap.add_argument("--skip-io", action="store_true")
+    ap.add_argument("--skip-resume", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+           "command": "python bench/bench_remote.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__, "dsv41": dsv41.__version__,
+           "args": vars(args), "loadavg_start": _loadavg()}
+    torch.set_num_threads(args.threads)
+    cfg = ModelConfig.preset(args.preset)
+    model = Model.synthetic(cfg, seed=args.seed)
+    with tempfile.TemporaryDirectory(prefix="dsv41-bench-servers-") as d, \
+            LocalServers(d, segment_bytes=args.segment_mb << 20, redis_maxmemory="2gb") as servers:
+        out["servers"] = {"blocks": servers.blocks_url, "snapshots": servers.snapshots_url,
+                          "segment_mb": args.segment_mb}
+        if not args.skip_io:
+            log(f"exporting {args.blocks} real blocks of {args.preset}")
+            real = real_payloads(model, args.block_tokens, args.blocks, args.seed)
+            flash = np.random.default_rng(args.seed).integers(
+                0, 256, size=(args.blocks, BlockLayout(ModelConfig.preset("v41-flash"), args.block_tokens).block_bytes),
+                dtype=np.uint8)
+            out["io"] = [bench_io(args, servers, cfg, real, f"{args.preset}:exported"),
+                         bench_io(args, servers, ModelConfig.preset("v41-flash"), flash, "v41-flash:random")]
+        if not args.skip_resume:
+            out["resume_ttft"] = bench_resume(args, servers, model)
+    out["loadavg_end"] = _loadavg()
+    text = json.dumps(out, indent=2, default=str)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The remote tier's one small interface, and the guard every call goes through.
+
+A backend (Mooncake Store, Redis) implements four blocking batch operations on opaque
+bytes under string keys. `Guarded` wraps one backend for the cache: every call runs in a
+small worker pool and is waited for at most its deadline (a backend call that hangs, as a
+Mooncake client does for ~4.3 s when its master is gone, keeps its worker thread but not
+the request), and a circuit breaker stops calling a backend that keeps failing and probes
+it again after a cooldown. A fault of any kind is reported as RemoteUnavailable, which
+the tier counts and treats as a miss.
+"""
+from __future__ import annotations
+
+import abc
+import concurrent.futures as cf
+import threading
+import time
+from typing import Callable, Sequence
+
+from .breaker import CircuitBreaker
+from .metrics import RemoteMetrics
+
+__all__ = ["RemoteBackend", "RemoteError", "RemoteFull", "RemoteUnavailable", "Guarded"]
+
+
+class RemoteError(RuntimeError):
+    """A backend call failed (connection, server error, bad return code)."""
+
+
+class RemoteFull(RemoteError):
+    """The backend has no room for a put (not a fault: it does not trip the breaker)."""
+
+
+class RemoteUnavailable(RuntimeError):
+    """A call did not happen or did not finish in time; `cause` says why (for the counter):
+    timeout, error, breaker_open, busy, connecting."""
+
+    def __init__(self, cause: str, detail: str = ""):
+        super().__init__(f"{cause}: {detail}" if detail else cause)
+        self.cause = cause
+
+
+class RemoteBackend(abc.ABC):
+    """Batch operations on bytes values. Each may block; Guarded bounds them."""
+
+    scheme = ""
+    native_ttl = False     # put/get honour ttl_s (else the tier checks a value's age itself)
+    keeps_first = False    # a put of an existing key keeps the old value
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def connect(self) -> None:
+        """Opens the connection (called once, in a worker, before the first operation)."""
+
+    @abc.abstractmethod
+    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def get(self, keys: Sequence[str], ttl_s: float | None = None) -> list[bytes | None]:
+        """Values (None when missing); ttl_s: restart each found key's TTL (sliding)."""
+
+    @abc.abstractmethod
+    def put(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None, overwrite: bool = False) -> None:
+        """Stores values; overwrite=False may leave an existing value in place."""
+
+    @abc.abstractmethod
+    def remove(self, keys: Sequence[str]) -> None: ...
+
+    def close(self) -> None:
+        pass
+
+
+class Guarded:
+    """A backend behind deadlines, a circuit breaker and metrics."""
+
+    def __init__(self, backend: RemoteBackend, metrics: RemoteMetrics, *, workers: int = 4,
+                 breaker_failures: int = 3, breaker_cooldown_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.backend, self.metrics = backend, metrics
+        self.name = backend.scheme
+        self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s, clock,
+                                      on_change=lambda s: metrics.breaker_state.set(s, backend=self.name))
+        metrics.breaker_state.set(0, backend=self.name)
+        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"dsv41-remote-{self.name}")
+        self._busy = 0
+        self._workers = workers
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._connecting: cf.Future | None = None
+        self._start_connect()
+
+    def _start_connect(self) -> None:
+        with self._lock:
+            if self._connected.is_set() or (self._connecting is not None and not self._connecting.done()):
+                return
+            self._connecting = self._pool.submit(self._connect)
+
+    def _connect(self) -> None:
+        try:
+            self.backend.connect()
+            self._connected.set()
+            self.breaker.success()
+        except Exception:
+            self.breaker.failure()
+            self.metrics.errors.inc(backend=self.name, cause="connect")
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        return self._connected.wait(timeout_s)
+
+    def call(self, op: str, timeout_s: float, *args, **kwargs):
+        """backend.<op>(*args) within timeout_s, or RemoteUnavailable."""
+        m = self.metrics
+        if not self._connected.is_set():
+            if self.breaker.allow():
+                self._start_connect()
+            m.errors.inc(backend=self.name, cause="connecting")
+            raise RemoteUnavailable("connecting", self.backend.url)
+        if not self.breaker.allow():
+            m.errors.inc(backend=self.name, cause="breaker_open")
+            raise RemoteUnavailable("breaker_open", self.backend.url)
+        with self._lock:
+            if self._busy >= self._workers:  # every worker is stuck in a hung call
+                busy = True
+            else:
+                busy = False
+                self._busy += 1
+        if busy:
+            self.breaker.failure()
+            m.errors.inc(backend=self.name, cause="busy")
+            raise RemoteUnavailable("busy", "every worker is waiting on the backend")
+        t0 = time.perf_counter()
+        fut = self._pool.submit(self._run, op, args, kwargs)
+        try:
+            out = fut.result(timeout=timeout_s)
+        except cf.TimeoutError:
+            self.breaker.failure()
+            m.errors.inc(backend=self.name, cause="timeout")
+            raise RemoteUnavailable("timeout", f"{op} took over {timeout_s * 1e3:.0f} ms") from None
+        except RemoteFull:
+            self.breaker.success()
+            raise
+        except Exception as e:
+            self.breaker.failure()
+            m.errors.inc(backend=self.name, cause="error")
+            raise RemoteUnavailable("error", f"{op}: {e}") from e
+        finally:
+            m.seconds.observe(time.perf_counter() - t0, backend=self.name, op=op)
+        self.breaker.success()
+        return out
+
+    def _run(self, op, args, kwargs):
+        try:
+            return getattr(self.backend, op)(*args, **kwargs)
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Closes the backend, waiting at most timeout_s. A client must not be closed under
+        a call still running in a worker (Mooncake's segfaults): when calls hang past the
+        wait, the client is left to be freed with the last reference to it instead."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        end = time.monotonic() + timeout_s
+        while self._busy and time.monotonic() < end:
+            time.sleep(0.01)
+        with self._lock:
+            if self._busy:
+                return
+
+        def _close():
+            try:
+                self.backend.close()
+            except Exception:  # closing a broken client: nothing left to do
+                pass
+        # A client whose server is gone can hang in close too.
+        t = threading.Thread(target=_close, name=f"dsv41-remote-close-{self.name}", daemon=True)
+        t.start()
+        t.join(max(0.0, end - time.monotonic()) + 0.5)

@@ -1,0 +1,114 @@
+"""Mooncake Store backend: `mooncake://MASTER_HOST:RPC_PORT[?option=value&...]`.
+
+The client joins the cluster as a pure client (global segment 0 by default): values live
+in the storage processes (`mooncake_client`, or other clients that mount a segment).
+Options: metadata (default P2PHANDSHAKE, i.e. no etcd / HTTP metadata server),
+protocol (tcp), local_hostname (this host's address the storage processes can reach;
+default 127.0.0.1 for a loopback master, else the address that routes to the master),
+buffer_bytes (the client's transfer buffer, 64 MiB), segment_bytes (memory this process
+contributes, 0). Unless MC_TCP_BIND_ADDRESS is set, connect() sets it to local_hostname so
+this process's data port does not listen on every interface.
+
+Semantics the tier relies on (seen with mooncake-transfer-engine 0.3.13): a put of an
+existing key keeps the first value; a missing key reads as b''; there is no TTL; a full
+store evicts roughly LRU and answers -200 when it cannot; a dead master makes calls hang
+~4.3 s then fail with -900 (Guarded bounds them). Its RPC and data ports have no
+authentication: see docs/remote.md.
+
+Needs `pip install mooncake-transfer-engine-non-cuda` (CPU hosts) or
+`mooncake-transfer-engine` (GPU hosts), and libibverbs1 even over tcp.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Sequence
+from urllib.parse import parse_qs, urlsplit
+
+from .base import RemoteBackend, RemoteError, RemoteFull
+
+__all__ = ["MooncakeBackend"]
+
+_NO_SPACE = -200
+
+
+def _route_to(host: str, port: int) -> str:
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((host, port))   # no packet is sent: this only picks the outgoing interface
+        return s.getsockname()[0]
+    finally:
+        s.close()
+
+
+class MooncakeBackend(RemoteBackend):
+    scheme = "mooncake"
+    native_ttl = False
+    keeps_first = True
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        u = urlsplit(url)
+        if u.scheme != "mooncake" or not u.hostname or not u.port:
+            raise ValueError(f"expected mooncake://HOST:PORT (the master's RPC address), got {url!r}")
+        q = {k: v[-1] for k, v in parse_qs(u.query).items()}
+        unknown = set(q) - {"metadata", "protocol", "local_hostname", "buffer_bytes", "segment_bytes"}
+        if unknown:
+            raise ValueError(f"{url!r}: unknown options {sorted(unknown)}")
+        self.master = f"{u.hostname}:{u.port}"
+        self.metadata = q.get("metadata", "P2PHANDSHAKE")
+        self.protocol = q.get("protocol", "tcp")
+        self.local_hostname = q.get("local_hostname") or _route_to(u.hostname, u.port)
+        self.buffer_bytes = int(q.get("buffer_bytes", 64 << 20))
+        self.segment_bytes = int(q.get("segment_bytes", 0))
+        self._store = None
+
+    def connect(self) -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise RemoteError("mooncake.store is not importable: pip install mooncake-transfer-engine-non-cuda "
+                              f"(CPU) or mooncake-transfer-engine (GPU), apt-get install libibverbs1 ({e})") from e
+        # The transfer engine listens for data on every interface unless told otherwise, and
+        # nothing on that port is authenticated: bind it to the address we announce.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_hostname)
+        store = MooncakeDistributedStore()
+        rc = store.setup(self.local_hostname, self.metadata, self.segment_bytes, self.buffer_bytes,
+                         self.protocol, "", self.master)
+        if rc != 0:
+            raise RemoteError(f"mooncake setup with master {self.master} failed: {rc}")
+        self._store = store
+
+    @property
+    def client(self):
+        """The raw MooncakeDistributedStore (benchmarks and fault tests use it directly)."""
+        return self._store
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        codes = self._store.batch_is_exist(list(keys))
+        if any(c < 0 for c in codes):
+            raise RemoteError(f"batch_is_exist: {min(codes)}")
+        return [c == 1 for c in codes]
+
+    def get(self, keys: Sequence[str], ttl_s: float | None = None) -> list[bytes | None]:
+        return [v if v else None for v in self._store.get_batch(list(keys))]
+
+    def put(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None, overwrite: bool = False) -> None:
+        if not items:
+            return
+        keys, values = [k for k, _ in items], [v for _, v in items]
+        rc = (self._store.upsert_batch if overwrite else self._store.put_batch)(keys, values)
+        if rc == _NO_SPACE:
+            raise RemoteFull(f"put_batch: {rc} (no space that is not leased)")
+        if rc != 0:
+            raise RemoteError(f"put_batch: {rc}")
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self._store.batch_remove(list(keys), force=True)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None

@@ -1,0 +1,142 @@
+"""Remote values: dsv41's own record around every byte it puts in a remote store.
+
+A remote value is one record in the SSD store's record format (cache/store/format.py:
+256-byte header with header and data CRC-32C, then token ids, the cache key encoding and
+the payload), without the page padding. It is checked on read exactly like an SSD record,
+because neither Mooncake nor Redis checks what it returns (Mooncake returned flipped bytes
+with return code 0 in our tests):
+
+    header CRC, magic, version, geometry, data CRC      -> "corrupt" on failure
+    the cache key (namespace, model fingerprint, format) -> "foreign" when it differs
+    block index, hashes, chain ids, token ids            -> "collision" when they differ
+
+Only "ok" values are served; every other status is a counted miss.
+
+Record ids have no meaning remotely, so the header's record_id / parent_id carry the
+value's *chain id*: 64 bits of SHA-256 over the parent's chain id, the block's token ids
+and the key. Like the SSD store's parent record ids, it identifies a block's whole prefix
+independently of the (pluggable, possibly weak) block hash, so a hash collision at any
+depth costs a miss, never wrong KV.
+
+This module is the one place the remote tier imports the record format from.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..io import crc32c
+from ..store.format import (REC_HEADER, REC_HEADER_BYTES, REC_MAGIC, STORE_FORMAT_VERSION, pack_record_header,
+                            record_geometry)
+
+__all__ = ["encode_record", "encode_records", "verify_record", "chain_ids", "Verified", "STATUSES"]
+
+STATUSES = ("ok", "corrupt", "foreign", "collision")
+_DOMAIN_CHAIN = b"dsv41.remote.chain.v1"
+
+
+def _chain_step(parent: int, tokens: np.ndarray, key: bytes) -> int:
+    h = hashlib.sha256(_DOMAIN_CHAIN + parent.to_bytes(8, "little") + tokens.astype("<u4", copy=False).tobytes()
+                       + len(key).to_bytes(8, "little") + key).digest()
+    return int.from_bytes(h[:8], "little") or 1  # 0 means "no parent"
+
+
+def chain_ids(tok: np.ndarray, key: bytes, start: int = 0, parent: int = 0) -> list[int]:
+    """Chain ids of the blocks tok[start:] (uint32 [n, B]); `parent` is block start-1's."""
+    out = []
+    for row in tok[start:]:
+        parent = _chain_step(parent, row, key)
+        out.append(parent)
+    return out
+
+
+def encode_record(*, key: bytes, tokens: np.ndarray, payload, block_index: int, block_hash: bytes,
+                  parent_hash: bytes, chain_id: int, parent_chain: int, created_ns: int | None = None) -> bytearray:
+    """One remote value: header + token ids + key + payload (64-byte aligned), CRC-32C'd.
+    Built in one buffer with one copy of the payload (puts are throughput-bound)."""
+    tok = np.ascontiguousarray(tokens, dtype="<u4").reshape(-1)
+    pay = memoryview(payload).cast("B") if not isinstance(payload, np.ndarray) \
+        else memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
+    T, K, P = tok.size, len(key), len(pay)
+    po, rbytes, _ = record_geometry(T, K, P)
+    buf = bytearray(rbytes)   # zero-filled: the alignment gap before the payload is zeros
+    mv = memoryview(buf)
+    base = REC_HEADER_BYTES
+    mv[base: base + 4 * T] = tok.view(np.uint8)
+    mv[base + 4 * T: base + 4 * T + K] = key
+    mv[po:] = pay
+    mv[:base] = pack_record_header(record_id=chain_id, parent_id=parent_chain,
+                                   created_ns=time.time_ns() if created_ns is None else created_ns,
+                                   block_index=block_index, token_count=T, key_bytes=K, payload_offset=po,
+                                   payload_bytes=P, record_bytes=rbytes, block_hash=block_hash,
+                                   parent_hash=parent_hash, data_crc=crc32c(mv[base:]))
+    return buf
+
+
+def encode_records(*, key: bytes, tokens: np.ndarray, payloads: np.ndarray, block_indices, block_hashes,
+                   parent_hashes, chain_ids, parent_chains, created_ns: int | None = None) -> list[memoryview]:
+    """encode_record for n blocks of one chain at once (tokens uint32 [n, T], payloads uint8
+    [n, P]): one buffer, the token ids, key and payloads placed by whole-array copies, so the
+    per-block Python work is just the header. Returns one value (a row view) per block."""
+    tokens = np.ascontiguousarray(tokens, dtype="<u4")
+    n, T = tokens.shape
+    P, K = payloads.shape[1], len(key)
+    po, rbytes, _ = record_geometry(T, K, P)
+    buf = np.zeros((n, rbytes), dtype=np.uint8)
+    base = REC_HEADER_BYTES
+    buf[:, base: base + 4 * T] = tokens.view(np.uint8).reshape(n, 4 * T)
+    buf[:, base + 4 * T: base + 4 * T + K] = np.frombuffer(key, dtype=np.uint8)
+    buf[:, po:] = payloads
+    created = time.time_ns() if created_ns is None else created_ns
+    for i in range(n):
+        row = buf[i]
+        head = pack_record_header(record_id=chain_ids[i], parent_id=parent_chains[i], created_ns=created,
+                                  block_index=block_indices[i], token_count=T, key_bytes=K, payload_offset=po,
+                                  payload_bytes=P, record_bytes=rbytes, block_hash=block_hashes[i],
+                                  parent_hash=parent_hashes[i], data_crc=crc32c(row[base:]))
+        row[:base] = np.frombuffer(head, dtype=np.uint8)
+    return [memoryview(buf[i]) for i in range(n)]
+
+
+@dataclass
+class Verified:
+    status: str                      # one of STATUSES
+    payload: memoryview | None = None
+    tokens: np.ndarray | None = None
+    created_ns: int = 0
+    chain_id: int = 0
+
+
+def verify_record(value, *, key: bytes, block_index: int, block_hash: bytes, parent_hash: bytes,
+                  parent_chain: int, tokens: np.ndarray | None = None, payload_bytes: int | None = None,
+                  chain_id: int | None = None) -> Verified:
+    """Checks one remote value against what the caller expects at this place of its chain.
+    `tokens` None: the stored token ids are returned for the caller to compare (snapshots:
+    their tail length is only known from the record)."""
+    v = value if isinstance(value, memoryview) else memoryview(value)
+    v = v.cast("B") if v.format != "B" else v
+    n = len(v)
+    if n < REC_HEADER_BYTES:
+        return Verified("corrupt")
+    (magic, version, header_bytes, _, rec_id, parent_id, created, index, T, K, po_found, P, rbytes, hb, _,
+     bhash, phash, _, data_crc, header_crc) = REC_HEADER.unpack_from(v)
+    if crc32c(v[:252]) != header_crc or magic != REC_MAGIC or version != STORE_FORMAT_VERSION \
+            or header_bytes != REC_HEADER_BYTES:
+        return Verified("corrupt")
+    po, want_bytes, _ = record_geometry(T, K, P)
+    if po_found != po or rbytes != want_bytes or n != rbytes or crc32c(v[REC_HEADER_BYTES:]) != data_crc:
+        return Verified("corrupt")
+    if v[REC_HEADER_BYTES + 4 * T: REC_HEADER_BYTES + 4 * T + K] != key:
+        return Verified("foreign")  # another namespace, model or payload format
+    toks = np.frombuffer(v[REC_HEADER_BYTES: REC_HEADER_BYTES + 4 * T], dtype="<u4")
+    same = (index == block_index and hb == len(block_hash) and bhash[:hb] == block_hash
+            and phash[:len(parent_hash)] == parent_hash and parent_id == parent_chain
+            and (payload_bytes is None or P == payload_bytes)
+            and (chain_id is None or rec_id == chain_id)
+            and (tokens is None or np.array_equal(toks, np.asarray(tokens, dtype="<u4").reshape(-1))))
+    if not same:
+        return Verified("collision")
+    return Verified("ok", v[po: po + P], toks, created, rec_id)

@@ -1,0 +1,162 @@
+"""The remote tier's parts that need no server: the record around every remote value, the
+snapshot codec, the circuit breaker, keys, deadlines (with a backend that hangs)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dsv41.cache import CacheKey, MetricsRegistry, TensorSnapshot
+from dsv41.cache.remote import (CircuitBreaker, Guarded, RemoteBackend, RemoteMetrics, RemoteUnavailable,
+                                namespace_tag)
+from dsv41.cache.remote.breaker import CLOSED, HALF_OPEN, OPEN
+from dsv41.cache.remote.record import chain_ids, encode_record, encode_records, verify_record
+from dsv41.cache.remote.snapshot_codec import decode_snapshot, encode_snapshot
+
+B = 16
+
+
+def _key(ns="a", model="m" * 64):
+    return CacheKey(ns, model, 1).encode()
+
+
+def _block(seed=0, nblocks=3, nbytes=1000):
+    g = np.random.default_rng(seed)
+    tok = g.integers(0, 50000, size=(nblocks, B), dtype=np.uint32)
+    pay = g.integers(0, 256, size=(nblocks, nbytes), dtype=np.uint8)
+    return tok, pay
+
+
+def _enc(key, tok, pay, i, chain, hashes):
+    return encode_record(key=key, tokens=tok[i], payload=pay[i], block_index=i, block_hash=hashes[i],
+                         parent_hash=hashes[i - 1] if i else b"r" * 32, chain_id=chain[i],
+                         parent_chain=chain[i - 1] if i else 0)
+
+
+def _ver(v, key, tok, i, chain, hashes, nbytes=1000):
+    return verify_record(v, key=key, block_index=i, block_hash=hashes[i],
+                         parent_hash=hashes[i - 1] if i else b"r" * 32, parent_chain=chain[i - 1] if i else 0,
+                         chain_id=chain[i], tokens=tok[i], payload_bytes=nbytes)
+
+
+def test_record_roundtrip_and_every_failure_kind():
+    key = _key()
+    tok, pay = _block()
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    chain = chain_ids(tok, key)
+    assert len(set(chain)) == 3 and all(c for c in chain)
+    v = _enc(key, tok, pay, 1, chain, hashes)
+    ok = _ver(v, key, tok, 1, chain, hashes)
+    assert ok.status == "ok" and bytes(ok.payload) == pay[1].tobytes()
+    # every single flipped bit anywhere in the value is caught
+    g = np.random.default_rng(1)
+    for pos in list(g.integers(0, len(v), size=40)) + [0, 251, 255, 256, len(v) - 1]:
+        bad = bytearray(v)
+        bad[pos] ^= 1 << int(g.integers(0, 8))
+        assert _ver(bytes(bad), key, tok, 1, chain, hashes).status == "corrupt", pos
+    assert _ver(v[:-1], key, tok, 1, chain, hashes).status == "corrupt"
+    assert _ver(v[:100], key, tok, 1, chain, hashes).status == "corrupt"
+    # another namespace's or model's value under this key: foreign, never served
+    assert _ver(v, _key("b"), tok, 1, chain, hashes).status == "foreign"
+    assert _ver(v, _key("a", "n" * 64), tok, 1, chain, hashes).status == "foreign"
+    # same key, other tokens / position / parent chain: a collision
+    other = tok.copy()
+    other[1, 3] += 1
+    assert _ver(v, key, other, 1, chain, hashes).status == "collision"
+    assert _ver(v, key, tok, 2, chain, hashes).status == "collision"
+    before = tok.copy()
+    before[0, 0] += 1
+    chain2 = chain_ids(before, key)   # a different prefix before block 1, same block 1
+    assert verify_record(v, key=key, block_index=1, block_hash=hashes[1], parent_hash=hashes[0],
+                         parent_chain=chain2[0], tokens=tok[1]).status == "collision"
+    assert _ver(v, key, tok, 1, chain, hashes, nbytes=999).status == "collision"
+    # the batch encoder writes the same bytes
+    parents = [b"r" * 32] + hashes[:2]
+    one = [encode_record(key=key, tokens=tok[i], payload=pay[i], block_index=i, block_hash=hashes[i],
+                         parent_hash=parents[i], chain_id=chain[i], parent_chain=chain[i - 1] if i else 0,
+                         created_ns=7) for i in range(3)]
+    many = encode_records(key=key, tokens=tok, payloads=pay, block_indices=[0, 1, 2], block_hashes=hashes,
+                          parent_hashes=parents, chain_ids=chain, parent_chains=[0] + chain[:2], created_ns=7)
+    assert [bytes(x) for x in many] == [bytes(x) for x in one]
+
+
+def test_snapshot_codec_roundtrip():
+    snap = TensorSnapshot(37, {"a": torch.randn(3, 5, dtype=torch.bfloat16), "b": torch.arange(7, dtype=torch.int64),
+                            "c": torch.empty(0, 4), "d": torch.randint(0, 255, (9,), dtype=torch.uint8)},
+                       {"format": 1, "kinds": ["x", "y"], "n": 4})
+    back = decode_snapshot(encode_snapshot(snap))
+    assert back.num_tokens == 37 and back.meta == snap.meta and list(back.tensors) == list(snap.tensors)
+    for k, t in snap.tensors.items():
+        u = back.tensors[k]
+        assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u.view(torch.uint8) if u.numel() else u,
+                                                                          t.view(torch.uint8) if t.numel() else t)
+    back.tensors["b"][0] = 99   # writable, and a copy
+    assert snap.tensors["b"][0] == 0
+    with pytest.raises(ValueError):
+        decode_snapshot(b"\x05\x00")
+
+
+def test_breaker_opens_probes_and_closes():
+    now = [0.0]
+    states = []
+    b = CircuitBreaker(failures=2, cooldown_s=5.0, clock=lambda: now[0], on_change=states.append)
+    assert b.allow()
+    b.failure()
+    assert b.state == CLOSED and b.allow()
+    b.failure()
+    assert b.state == OPEN and not b.allow()
+    now[0] = 5.1
+    assert b.allow() and b.state == HALF_OPEN   # one probe
+    assert not b.allow()
+    b.failure()
+    assert b.state == OPEN and not b.allow()
+    now[0] = 10.2
+    assert b.allow()
+    b.success()
+    assert b.state == CLOSED and states == [OPEN, HALF_OPEN, OPEN, HALF_OPEN, CLOSED]
+
+
+def test_namespace_tags():
+    assert namespace_tag("") == "@" and namespace_tag("tenant-a") == "tenant-a"
+    t = namespace_tag("tenant a:*")
+    assert t.startswith("#") and ":" not in t and "*" not in t and t != namespace_tag("tenant b:*")
+
+
+class _Hanging(RemoteBackend):
+    """A backend whose calls block until released (a dead Mooncake master hangs ~4.3 s)."""
+    scheme = "hang"
+
+    def __init__(self):
+        super().__init__("hang://")
+        self.release = threading.Event()
+        self.calls = 0
+
+    def exists(self, keys):
+        self.calls += 1
+        self.release.wait(10)
+        return [False] * len(keys)
+
+    get = put = remove = exists
+
+
+def test_deadline_and_breaker_bound_a_hanging_backend():
+    m = RemoteMetrics(MetricsRegistry())
+    be = _Hanging()
+    g = Guarded(be, m, workers=2, breaker_failures=2, breaker_cooldown_s=60)
+    assert g.wait_connected(5)
+    t0 = time.perf_counter()
+    causes = []
+    for _ in range(5):
+        with pytest.raises(RemoteUnavailable) as e:
+            g.call("exists", 0.05, ["k"])
+        causes.append(e.value.cause)
+    took = time.perf_counter() - t0
+    assert causes == ["timeout", "timeout", "breaker_open", "breaker_open", "breaker_open"]
+    assert took < 1.0 and be.calls == 2            # the open breaker makes no more calls
+    assert m.errors.value(backend="hang", cause="timeout") == 2
+    assert m.breaker_state.value(backend="hang") == OPEN
+    be.release.set()
+    g.close()
