@@ -275,7 +275,7 @@ def test_per_tenant_redis_acl_user_as_documented(servers):
     url = f"redis://dsv41-tenant-a:pw-a@127.0.0.1:{servers.ports['redis']}/0"
     a = PrefixCache(CONFIG, CacheConfig(block_tokens=B, device="cpu", gpu_capacity_bytes=1 << 24,
                                         swa_capacity_bytes=1 << 24, remote_snapshots=url,
-                                        remote_lookup_timeout_s=1.0))
+                                        remote_lookup_timeout_s=1.0), weights_id="remote-test-weights")
     try:
         assert a.remote.wait_connected(20.0)
         tok = tokens(20, 2 * B + 1)
