@@ -80,6 +80,19 @@ class LiveServer:
         self.sock.close()
 
 
+@pytest.fixture(scope="package", autouse=True)
+def one_torch_thread():
+    """v41-tiny's ops are far too small to gain from intra-op threads, and on a loaded
+    2-core machine every parallel region waits for a descheduled worker (measured: a 30x64
+    by 64x64 matmul took ~25 ms with 2 threads, a 100-token prefill 7 s vs 0.3 s with 1)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def live():
     """The default server: bounded replay, as `dsv41 serve` runs."""

@@ -45,23 +45,26 @@ def _run_clients(live, max_tokens, leave):
 
 def test_32_streaming_clients_then_half_disconnect(live):
     c = live.client()
-    # the agent framework warms the shared system prompt once (its SWA snapshot lets every
-    # conversation resume exactly: path both_hit)
-    warm = [{"role": "system", "content": SYSTEM}]
-    c.chat.completions.create(model="v41-tiny", messages=warm, max_tokens=1, temperature=0,
-                              extra_body={"cache_salt": "load"})
-    want = [live.reference(live.chat_ids(_messages(i)), 6) for i in range(CLIENTS)]
+    # the agent framework warms the shared system prompt once, as rendered text (the SWA
+    # snapshot at its end lets every conversation resume exactly: path both_hit)
+    warm = live.tokenizer.render_chat([{"role": "system", "content": SYSTEM}], add_generation_prompt=False)
+    assert live.chat_ids(_messages(0))[:len(warm)] == live.tokenizer.encode(warm)
+    c.completions.create(model="v41-tiny", prompt=warm, max_tokens=1, temperature=0,
+                         extra_body={"cache_salt": "load"})
+    paths = live.on_engine(lambda e: dict(e.paths))
+    want = [live.reference(live.chat_ids(_messages(i)), 4) for i in range(CLIENTS)]
 
-    out = _run_clients(live, [6] * CLIENTS, [None] * CLIENTS)
+    out = _run_clients(live, [4] * CLIENTS, [None] * CLIENTS)
     assert [t for t, _ in out] == want
-    assert all(u.completion_tokens == 6 and u.prompt_tokens_details.cached_tokens >= len(SYSTEM) for _, u in out)
+    assert all(u.completion_tokens == 4 and u.prompt_tokens_details.cached_tokens >= len(SYSTEM) for _, u in out)
     live.wait_idle()
     assert live.referenced_blocks() == 0
+    assert live.on_engine(lambda e: e.paths["both_hit"]) - paths["both_hit"] == CLIENTS
 
     # half of them leave after two chunks of a long answer; the rest must be unaffected
     aborted = live.on_engine(lambda e: e.counters["aborted"])
     leave = [2 if i % 2 else None for i in range(CLIENTS)]
-    out = _run_clients(live, [6 if i % 2 == 0 else 400 for i in range(CLIENTS)], leave)
+    out = _run_clients(live, [4 if i % 2 == 0 else 400 for i in range(CLIENTS)], leave)
     assert [t for i, (t, _) in enumerate(out) if i % 2 == 0] == want[::2]
     live.wait_idle()
     assert live.referenced_blocks() == 0
