@@ -15,11 +15,11 @@ BLOCK = 16
 
 
 class LiveServer:
-    def __init__(self, **options):
+    def __init__(self, opts: ServeOptions | None = None, **options):
         import uvicorn
 
-        opts = ServeOptions(preset="v41-tiny", device="cpu", block_tokens=BLOCK, gpu_cache_mb=16,
-                            swa_cache_mb=64, **options)
+        opts = opts or ServeOptions(preset="v41-tiny", device="cpu", block_tokens=BLOCK, gpu_cache_mb=16,
+                                    swa_cache_mb=64, **options)
         self.server = Server(opts)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ServeOptions", "Server", "build_server", "add_serve_parser"]
+__all__ = ["ServeOptions", "Server", "build_server", "add_serve_parser", "options_from_args"]
 
 
 @dataclass
@@ -95,16 +95,20 @@ def build_server(opts: ServeOptions) -> Server:
     return Server(opts)
 
 
-def _run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    opts = ServeOptions(model=args.model, preset=args.preset, seed=args.seed,
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    return ServeOptions(model=args.model, preset=args.preset, seed=args.seed,
                         served_model_name=args.served_model_name, device=args.device,
                         prefix_cache=not args.no_prefix_cache, cache_dir=args.cache_dir,
                         block_tokens=args.block_tokens, gpu_cache_mb=args.gpu_cache_mb,
                         swa_cache_mb=args.swa_cache_mb, swa_ttl_s=args.swa_ttl, replay=args.replay,
                         max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
                         max_pending=args.max_pending)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    opts = options_from_args(args)
     try:
         server = Server(opts)
     except (OSError, ValueError, KeyError) as e:
