@@ -58,7 +58,8 @@ class ServerProcess:
                "--max-batch", str(args.max_batch), "--device", args.device]
         if not cache:
             cmd.append("--no-prefix-cache")
-        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMP_NUM_THREADS=str(args.torch_threads))
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -255,6 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--block-tokens", type=int, default=16)
     ap.add_argument("--swa-ttl", type=float, default=3.0, help="the servers' SWA snapshot TTL (s)")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="the servers' intra-op threads (OMP_NUM_THREADS); tiny models gain nothing from more")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
