@@ -77,3 +77,16 @@ def test_logprobs_and_first_event_stats(tiny_model):
         assert lp.logprob == float(ref[ev.token])
         assert [t for t, _ in lp.top] == torch.topk(ref, 2).indices.tolist()
         assert lp.top[0][0] == ev.token      # greedy: the sampled token is the most likely
+
+
+def test_peek_takes_no_reference_and_counts_nothing(tiny_model, make_cache):
+    cache, _ = make_cache()
+    p = tokens(60, 3 * BLOCK + 5)
+    Engine(tiny_model, cache=cache).generate([p], SamplingParams(max_new_tokens=1))
+    lookups = cache.metrics.lookups.value()
+    assert cache.peek(p) == 3 * BLOCK and cache.peek(p, max_tokens=2 * BLOCK + 3) == 2 * BLOCK
+    assert cache.peek(p, namespace="other") == 0 and cache.peek(p[:5]) == 0
+    assert referenced(cache) == 0 and cache.metrics.lookups.value() == lookups
+    m = cache.match(p)
+    assert m.cached_tokens == 3 * BLOCK
+    cache.release(m)

@@ -93,15 +93,16 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def live():
-    """The default server: bounded replay, as `dsv41 serve` runs."""
+    """The default server: bounded replay, as `dsv41 serve` runs. Shared by every test
+    module (tests keep apart through their own prompts and tenants)."""
     s = LiveServer()
     yield s
     s.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def live_exact():
     """A server replaying exactly (the oracle mode): its cache hits never change outputs."""
     s = LiveServer(replay="exact")
