@@ -44,7 +44,7 @@ class Server:
         from ..cache import CacheConfig, PrefixCache
         from ..cache.adapter import cache_fingerprint
         from ..config import ModelConfig
-        from ..engine import Engine
+        from ..engine import Engine, SamplingParams
         from ..model import Model
         from .app import create_app
         from .loop import EngineLoop
@@ -69,6 +69,9 @@ class Server:
             self.cache = PrefixCache(model.config, cc, fingerprint=cache_fingerprint(model, weights))
         self.engine = Engine(model, cache=self.cache, replay=opts.replay, max_batch=opts.max_batch,
                              max_prefill_tokens=opts.max_prefill_tokens)
+        # One forward before serving, on a throwaway engine without the cache, so that no
+        # client's first request pays torch's one-time set-up (seconds on a CPU).
+        Engine(model).generate([[0, 1]], SamplingParams(max_new_tokens=2))
         self.tokenizer = load_tokenizer(opts.model, model.config.vocab_size)
         self.model_name = name
         self.loop = EngineLoop(self.engine, ServerMetrics(), max_pending=opts.max_pending).start()
