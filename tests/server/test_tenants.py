@@ -33,3 +33,20 @@ def test_shared_prefix_hit_equals_uncached_output(live_exact):
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     ids = live_exact.tokenizer.encode(prefix + "second question")
     assert second.choices[0].text == live_exact.reference(ids, 8)
+
+
+def test_cache_dir_survives_a_restart(tmp_path):
+    """--cache-dir: a restarted server finds the prefix on the SSD tier."""
+    from .conftest import LiveServer
+
+    prompt = "Persistent prefix for the restart test. " * 5
+    got = []
+    for _ in range(2):
+        s = LiveServer(cache_dir=str(tmp_path / "store"))
+        try:
+            r = s.client().completions.create(model="v41-tiny", prompt=prompt, max_tokens=2, temperature=0)
+            got.append(r.usage.prompt_tokens_details.cached_tokens)
+            ssd_hits = s.on_engine(lambda e: e.cache.metrics.hit_tokens.value(tier="ssd"))
+        finally:
+            s.stop()
+    assert got[0] == 0 and got[1] > 0 and ssd_hits > 0
