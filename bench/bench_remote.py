@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import dsv41  # noqa: E402
 from dsv41 import Model, ModelConfig  # noqa: E402
 from dsv41.cache import BlockLayout, CacheConfig, PrefixCache  # noqa: E402
-from dsv41.cache.adapter import export_blocks  # noqa: E402
+from dsv41.engine.cache_adapter import export_blocks  # noqa: E402
 from dsv41.cache.remote.record import chain_ids, verify_record  # noqa: E402
 from dsv41.cache.remote.servers import LocalServers  # noqa: E402
 

@@ -7,6 +7,7 @@
     dsv41 digest CKPT_DIR                record a checkpoint's weights digest (its cache identity)
     dsv41 demo [--json]                  an agent workload through the engine and cache
     dsv41 eval [--matrix M --contract C --out DIR --model CKPT]   the replay acceptance matrix
+    dsv41 serve [--model DIR | --preset NAME] [--port N]     an OpenAI-compatible server
 """
 from __future__ import annotations
 
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     from .eval.cli import add_eval_parser
     add_eval_parser(sub)
+    from .server.cli import add_serve_parser
+    add_serve_parser(sub)
     return p
 
 

@@ -305,6 +305,19 @@ class PrefixCache:
                           admit=lambda slot: slot is not None and slot.hits >= n)
         return m
 
+    def peek(self, tokens, namespace: str = "", extra: Sequence[tuple[str, str]] = (),
+             max_tokens: int | None = None) -> int:
+        """Tokens of the longest prefix of `tokens` the GPU pool holds right now, looked up
+        without referencing, promoting or counting anything: a scheduler's estimate before
+        it admits a request (match() then takes the references, and may find more on SSD)."""
+        arr = as_token_array(tokens)
+        limit = arr.size if max_tokens is None else max(0, min(arr.size, int(max_tokens)))
+        B = self.block_tokens
+        nb = limit // B
+        key = self.key(namespace, extra)
+        hashes = self.hasher.hash_blocks(arr[: nb * B], key)
+        return len(self.pool.match(key, hashes, arr[: nb * B].reshape(nb, B))) * B
+
     @profiling.traced("cache.ssd_promote",
                       lambda self, m, tok: {"blocks": len(m.hashes) - m.num_blocks})
     def _promote(self, m: PrefixMatch, tok: np.ndarray) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..replay import ReplayConfig
 from .llm_engine import Engine
-from .request import Request, RequestOutput, RequestStats, SamplingParams, StreamEvent
+from .request import Request, RequestOutput, RequestStats, SamplingParams, StreamEvent, TokenLogprob
 
 __all__ = ["Engine", "ReplayConfig", "SamplingParams", "Request", "RequestOutput", "RequestStats",
-           "StreamEvent"]
+           "StreamEvent", "TokenLogprob"]

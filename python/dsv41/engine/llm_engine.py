@@ -5,13 +5,16 @@
     outs = engine.generate([prompt_a, prompt_b], SamplingParams(max_new_tokens=32))
     for ev in engine.stream(prompt):      # StreamEvent per new token
         ...
-    rid = engine.add_request(prompt, params); engine.step() ...  # for servers
+    rid = engine.add_request(prompt, params); engine.step(); engine.events  # for servers
+    engine.abort(rid)                     # a cancelled request lets go of everything
 
-Each step plans newly admitted prompts (cache lookup -> path -> state), runs their
-prefills together with every running decode in one model call, samples, and finishes
-sequences on a stop token or max_new_tokens. States are written back to the cache after
-the prefill and at the end of the output (engine/prefix.py; write_approximate=False caches
-only states equal to a full prefill).
+Each step (Engine.step) has three phases: admit (the scheduler picks waiting prompts from
+side-effect-free estimates; nothing is pinned), plan (each admitted prompt's cache lookup
+pins its blocks and promotes SSD hits, then path and state), run (their prefills and every
+running decode in one model call, then sampling; sequences finish on a stop token or
+max_new_tokens). States are written back to the cache after the prefill and at the end of
+the output (engine/prefix.py; write_approximate=False caches only states equal to a full
+prefill).
 
 The engine refuses a cache built for another model (PrefixCache.bind): another config, KV
 option or weights identity would make its hits wrong KV.
@@ -31,7 +34,7 @@ from .. import profiling
 from ..model import Model
 from ..replay import ReplayConfig
 from .prefix import PrefixIO
-from .request import Request, RequestOutput, SamplingParams, StreamEvent
+from .request import Request, RequestOutput, SamplingParams, StreamEvent, TokenLogprob
 from .runner import ModelRunner
 from .sampler import make_generator, sample
 from .scheduler import Scheduler
@@ -55,7 +58,7 @@ class Engine:
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._events: list[StreamEvent] = []
-        self.counters = {"requests": 0, "finished": 0, "steps": 0, "prefill_tokens": 0,
+        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "steps": 0, "prefill_tokens": 0,
                          "replayed_tokens": 0, "decode_tokens": 0, "prompt_tokens": 0}
         self.paths = {p: 0 for p in ("cold", "both_hit", "encoder_replay", "recompute")}
 
@@ -86,19 +89,41 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    # ---- one step -----------------------------------------------------------------------
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancels an unfinished request: a waiting one just leaves the queue (it holds
+        nothing), a running one drops its state and every cache reference it held; nothing
+        more is cached for it. Returns its output so far (finish_reason "abort"), or None
+        for an id that is not unfinished here."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        self.prefix.release(seq)
+        seq.state = None
+        seq.stats.output_tokens = len(seq.output)
+        self.counters["aborted"] += 1
+        return seq.to_output()
 
-    def _planned_tokens(self, seq: Sequence) -> int:
-        self.prefix.plan(seq)
-        return seq.pending_prefill_tokens
+    @property
+    def events(self) -> list[StreamEvent]:
+        """The tokens the last step sampled, one StreamEvent each."""
+        return self._events
+
+    # ---- one step -----------------------------------------------------------------------
 
     @profiling.traced("engine.step")
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests that finished in it."""
         self._events = []                    # stream events of this step only
-        step = self.scheduler.schedule(self._planned_tokens)
+        # admit: estimates only, so a prompt refused now holds no cache reference
+        step = self.scheduler.schedule(self.prefix.estimate)
         if not step:
             return []
+        # plan what was admitted: cache lookup (pins, SSD promotion), path, state
+        for seq in step.prefills:
+            self.prefix.plan(seq)
+        # run
         self.counters["steps"] += 1
         t0 = self.clock()
         logits = self.runner.run(step.prefills, step.decodes)
@@ -140,6 +165,11 @@ class Engine:
         elif len(seq.output) >= sp.max_new_tokens:
             finished = "length"
         ev = StreamEvent(seq.request_id, tok, len(seq.output) - 1, finished is not None)
+        if len(seq.output) == 1:
+            ev.stats = seq.stats
+        if sp.logprobs is not None:
+            ev.logprobs = _token_logprobs(logits, tok, sp.logprobs)
+            seq.logprobs.append(ev.logprobs)
         if finished:
             self._finish(seq, finished, now)
             ev.output = seq.to_output()
@@ -158,6 +188,7 @@ class Engine:
         st.bytes.update({f"state_{k}": v for k, v in seq.state.nbytes().items()})
         self.prefix.release(seq)
         seq.state = None                     # free the KV; the output keeps the stats
+        del self._seqs[seq.request_id]
         self.counters["finished"] += 1
 
     # ---- convenience --------------------------------------------------------------------
@@ -203,6 +234,15 @@ class Engine:
         if self.cache is not None:
             out["cache"] = self.cache.stats()
         return out
+
+
+def _token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The sampled token's log-probability under the model's distribution (before
+    temperature and top-p) and the `top` most likely tokens'."""
+    lp = torch.log_softmax(logits.detach().double().cpu(), dim=-1)
+    best = torch.topk(lp, min(top, lp.numel())) if top else None
+    alts = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
+    return TokenLogprob(token, float(lp[token]), alts)
 
 
 def _input_logprobs(prompt: list[int], start: int, logits: torch.Tensor) -> list[float | None]:

@@ -33,12 +33,26 @@ class PrefixIO:
     def align(self) -> int | None:
         return self.cache.block_tokens if self.cache is not None else None
 
+    def estimate(self, seq: Sequence) -> int:
+        """The prefill tokens a waiting sequence would compute if admitted now: its plan
+        against the GPU pool's current hit, taking no reference and reading nothing (the
+        scheduler's admission cost). It can be off both ways - plan() may find SSD blocks
+        or an SWA snapshot (fewer tokens), or blocks may be evicted first (more) - which
+        only moves the step's prefill budget, never correctness."""
+        N = len(seq.prompt)
+        H = 0
+        if self.cache is not None and N > 1:
+            H = self.cache.peek(seq.prompt, namespace=seq.request.namespace, max_tokens=N - 1)
+        return plan_prompt(self.model.config, N, global_hit=H, replay=seq.replay,
+                           align=self.align).computed_tokens
+
     @profiling.traced("engine.plan",
                       lambda self, seq: {"requests": 1, "tokens": len(seq.request.prompt)})
     def plan(self, seq: Sequence) -> None:
-        """Cache lookup, replay plan and the state to prefill from (once per sequence)."""
+        """Cache lookup (pins the matched blocks, promotes SSD hits), replay plan and the
+        state to prefill from: once per sequence, when the scheduler has admitted it."""
         if seq.plan is not None:
-            return
+            raise RuntimeError(f"{seq.request_id} is already planned")
         req, model, cache = seq.request, self.model, self.cache
         N = len(req.prompt)
         st = seq.stats
@@ -107,5 +121,6 @@ class PrefixIO:
                 seq.stats.bytes["swa_written"] = seq.stats.bytes.get("swa_written", 0) + snap.nbytes
 
     def release(self, seq: Sequence) -> None:
+        """Drops the sequence's references on cached blocks (its match)."""
         if self.cache is not None and seq.match is not None:
             self.cache.release(seq.match)

@@ -12,7 +12,7 @@ import torch
 
 from ..replay import ReplayConfig
 
-__all__ = ["SamplingParams", "Request", "RequestStats", "RequestOutput", "StreamEvent"]
+__all__ = ["SamplingParams", "Request", "RequestStats", "RequestOutput", "StreamEvent", "TokenLogprob"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,9 @@ class SamplingParams:
     to the smallest set of tokens whose probability reaches top_p, drawn with a generator
     seeded by `seed` (per request: the same seed gives the same tokens in any batch).
     input_logprobs: the log-probability of each prompt token the prefill computed logits
-    for (an error with decoder replay on). return_logits: keep every step's logits."""
+    for (an error with decoder replay on). return_logits: keep every step's logits.
+    logprobs: report each sampled token's log-probability and those of the `logprobs` most
+    likely tokens (0: the sampled one only; None: nothing)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -30,6 +32,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     input_logprobs: bool = False
     return_logits: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -38,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -88,15 +93,25 @@ class RequestStats:
 
 
 @dataclass
+class TokenLogprob:
+    """log p(token) under the model's distribution and the most likely (token, log p)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: list[int]
     output_tokens: list[int]
     finished: bool
-    finish_reason: str | None         # "stop" (a stop token) | "length"
+    finish_reason: str | None         # "stop" (a stop token) | "length" | "abort"
     stats: RequestStats
     input_logprobs: list[float | None] | None = None
     logits: list[torch.Tensor] | None = None   # [vocab] per output token (return_logits)
+    logprobs: list[TokenLogprob] | None = None  # per output token (SamplingParams.logprobs)
 
     def to_dict(self) -> dict:
         return {"request_id": self.request_id, "prompt_tokens": len(self.prompt),
@@ -106,10 +121,13 @@ class RequestOutput:
 
 @dataclass
 class StreamEvent:
-    """One new output token of a request (stream iterator); `output` is set on the last."""
+    """One new output token of a request (stream iterator); `output` is set on the last,
+    `stats` (the request's statistics so far: path, hits, TTFT) on the first."""
 
     request_id: str
     token: int
     index: int
     finished: bool
     output: RequestOutput | None = None
+    stats: RequestStats | None = None
+    logprobs: TokenLogprob | None = None

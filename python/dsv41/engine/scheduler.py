@@ -5,11 +5,16 @@ admits waiting prompts first come, first served while the batch has room and the
 prefill tokens fit max_prefill_tokens (the first waiting prompt is always admitted when
 there is room, however long, so nothing starves). Prefills and decodes of a step run in
 one model call (segments of different lengths).
+
+Admission only decides: it asks a side-effect-free estimate of each waiting prompt's
+prefill tokens and takes no cache reference. The engine then plans (cache lookup, pins)
+exactly the sequences admitted, so a waiting sequence never holds cache blocks.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .. import profiling
 from .sequence import Sequence, Status
@@ -43,14 +48,14 @@ class Scheduler:
 
     @profiling.traced("engine.schedule",
                       lambda self, *a: {"waiting": len(self.waiting), "running": len(self.running)})
-    def schedule(self, planned_tokens) -> Step:
-        """planned_tokens(seq) -> the prefill tokens a waiting sequence will compute (it
-        plans the sequence: cache lookup and replay plan)."""
+    def schedule(self, estimate: Callable[[Sequence], int]) -> Step:
+        """estimate(seq) -> the prefill tokens a waiting sequence would compute; it must not
+        change any state (it is asked again for a sequence refused this step)."""
         step = Step(decodes=self.running[: self.max_batch])
         budget = self.max_prefill_tokens
         while self.waiting and len(step.decodes) + len(step.prefills) < self.max_batch:
             seq = self.waiting[0]
-            need = planned_tokens(seq)
+            need = estimate(seq)
             if step.prefills and need > budget:
                 break
             self.waiting.popleft()
@@ -63,6 +68,9 @@ class Scheduler:
         self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
+        """Takes a running or waiting sequence out of the schedule."""
         seq.status = Status.FINISHED
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -33,6 +33,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
+    logprobs: list = field(default_factory=list)    # TokenLogprob per output token
     stats: RequestStats = field(default_factory=RequestStats)
     finish_reason: str | None = None
     last_token_time: float = 0.0
@@ -46,13 +47,10 @@ class Sequence:
     def prompt(self) -> list[int]:
         return self.request.prompt
 
-    @property
-    def pending_prefill_tokens(self) -> int:
-        return len(self.prompt) - (self.plan.start if self.plan else 0)
-
     def to_output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id, prompt=list(self.prompt), output_tokens=list(self.output),
             finished=self.status is Status.FINISHED, finish_reason=self.finish_reason,
             stats=self.stats, input_logprobs=self.input_logprobs,
-            logits=list(self.logits) if self.request.sampling.return_logits else None)
+            logits=list(self.logits) if self.request.sampling.return_logits else None,
+            logprobs=list(self.logprobs) if self.request.sampling.logprobs is not None else None)
