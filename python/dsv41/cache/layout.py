@@ -8,7 +8,10 @@ A block covers `block_tokens` consecutive tokens. For every layer that owns glob
     index_codes   uint8          [entries, index_head_dim / 2]  MXFP4 E2M1 codes
     index_scales  uint8 (UE8M0)  [entries, index_head_dim / 32] MXFP4 scales
 
-(indexer keys only for layers that own them: dense layers have none). The segments lie
+(indexer keys only for layers that own them: dense layers have none). V4 models
+(main_kv_format fp8_v4) store their main entry as one uint8 row of
+`fp8_v4_main_bytes(nope, rope)` bytes in `main_codes` (`main_scales` has width 0: the
+entry holds its own scales). The segments lie
 back to back in layer order, in the order above, in one flat uint8 buffer of
 `block_bytes` bytes; no padding, so block_bytes == block_tokens x the config's global
 KV bytes per token (890 x 64 = 56,960 for v41-flash). block_tokens must be a multiple of
@@ -67,9 +70,6 @@ class BlockLayout:
     """Payload layout of one block of `block_tokens` tokens for `config`."""
 
     def __init__(self, config: ModelConfig, block_tokens: int = DEFAULT_BLOCK_TOKENS):
-        if config.main_kv_format != "nvfp4":
-            raise LayoutError(f"{config.name}: the cache stores NVFP4 main KV only; main_kv_format "
-                              f"{config.main_kv_format!r} is for byte accounting")
         if not isinstance(block_tokens, int) or block_tokens <= 0:
             raise LayoutError(f"block_tokens must be a positive int, got {block_tokens!r}")
         ratios = sorted({p.compress_ratio for p in config.layer_plan() if p.owns_kv})
@@ -80,12 +80,19 @@ class BlockLayout:
                               f"compressed entry")
         self.config = config
         self.block_tokens = block_tokens
-        main_w = fmt.nvfp4_bytes(config.head_dim)
         idx_w = fmt.mxfp4_bytes(config.index_head_dim)
+        dtypes = dict(_DTYPES)
+        if config.main_kv_format == "nvfp4":
+            main_w = fmt.nvfp4_bytes(config.head_dim)
+            widths = {"main_codes": config.head_dim // 2,
+                      "main_scales": config.head_dim // fmt.NVFP4_BLOCK}
+        else:
+            main_w = fmt.fp8_v4_main_bytes(config.nope_head_dim, config.rope_head_dim)
+            widths = {"main_codes": main_w, "main_scales": 0}
+            dtypes["main_scales"] = torch.uint8
         assert main_w == main_entry_bytes(config) and idx_w == index_key_bytes(config)
-        widths = {"main_codes": config.head_dim // 2, "main_scales": config.head_dim // fmt.NVFP4_BLOCK,
-                  "index_codes": config.index_head_dim // 2,
-                  "index_scales": config.index_head_dim // fmt.MXFP4_BLOCK}
+        widths.update({"index_codes": config.index_head_dim // 2,
+                       "index_scales": config.index_head_dim // fmt.MXFP4_BLOCK})
         segments: list[Segment] = []
         offset = 0
         for p in config.layer_plan():
@@ -94,7 +101,7 @@ class BlockLayout:
             entries = block_tokens // p.compress_ratio
             kinds = KINDS if p.owns_indexer_keys else KINDS[:2]
             for kind in kinds:
-                seg = Segment(p.layer, kind, p.compress_ratio, offset, entries, widths[kind], _DTYPES[kind])
+                seg = Segment(p.layer, kind, p.compress_ratio, offset, entries, widths[kind], dtypes[kind])
                 segments.append(seg)
                 offset += seg.nbytes
         if not segments:
