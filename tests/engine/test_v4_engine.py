@@ -45,5 +45,8 @@ def test_v4_resume_and_recompute_equal_live(v4, tmp_path):
         o3 = eng.generate([p2], SP)[0]
         assert o3.stats.path == "recompute"
         assert torch.equal(o3.logits[0], o2.logits[0])
+        # asked for bounded replay, V4 recomputes (its carried window is not in the cache)
+        o4 = Engine(v4, cache=cache, replay="bounded").generate([p2], SP)[0]
+        assert o4.stats.path == "recompute" and torch.equal(o4.logits[0], o2.logits[0])
     finally:
         cache.close()
