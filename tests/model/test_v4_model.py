@@ -99,3 +99,23 @@ def test_v41_decoder_global_kv_reads_collapsed_encoder_streams():
     assert plain.main_kv[full_layer].equal(replay.main_kv[full_layer])
     assert plain.index_keys[full_layer].equal(replay.index_keys[full_layer])
     assert state_diff(plain, replay)  # the decoder's SWA rings differ (it ran on 8 tokens)
+
+
+def test_v4_batch_equals_alone(v4_model):
+    a, b = _ids(40, seed=5), _ids(9, seed=6)
+    sa, sb = v4_model.new_state(), v4_model.new_state()
+    v4_model.prefill(a[:3], sa)
+    outs = v4_model.prefill_batch([a[3:], b], [sa, sb], return_all_logits=True)
+    alone_a, alone_b = v4_model.new_state(), v4_model.new_state()
+    v4_model.prefill(a[:3], alone_a)
+    assert torch.equal(outs[0], v4_model.prefill(a[3:], alone_a, return_all_logits=True))
+    assert torch.equal(outs[1], v4_model.prefill(b, alone_b, return_all_logits=True))
+    assert state_diff(sa, alone_a) == [] and state_diff(sb, alone_b) == []
+
+
+def test_v4_checkpoint_round_trip_keeps_int64_tables(v4_model, tmp_path):
+    v4_model.save_pretrained(tmp_path)
+    back = Model.from_pretrained(tmp_path)
+    sd, sd2 = v4_model.state_dict(), back.state_dict()
+    assert sd2["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+    assert all(torch.equal(sd[k], sd2[k]) for k in sd)
