@@ -119,3 +119,12 @@ def test_v4_checkpoint_round_trip_keeps_int64_tables(v4_model, tmp_path):
     sd, sd2 = v4_model.state_dict(), back.state_dict()
     assert sd2["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
     assert all(torch.equal(sd[k], sd2[k]) for k in sd)
+
+
+def test_v4_refuses_replay_over_cached_kv_before_touching_state(v4_model):
+    st = v4_model.new_state()
+    v4_model.prefill(_ids(8), st)
+    before = st.clone()
+    with pytest.raises(ValueError, match="overlapping compressor windows"):
+        v4_model.extend_batch([Extend(_ids(8, seed=9), st, swa_start=8, cached_until=128)])
+    assert state_diff(st, before) == []

@@ -259,6 +259,10 @@ class Model(nn.Module):
                              f"(the state's position)")
         if it.cached_until is not None:
             H = int(it.cached_until)
+            if H > pos and self.config.overlap_compress_ratios:
+                raise ValueError(f"{where}cached_until={H}: replay over cached global KV is "
+                                 f"not supported with overlapping compressor windows (V4): "
+                                 f"the carried window is not part of the cached entries")
             m = st._block_multiple()
             if H < pos or H % m:
                 raise ValueError(f"{where}cached_until={H} must be a multiple of {m} (every "
