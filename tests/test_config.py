@@ -140,7 +140,7 @@ def assert_same_fields(a: ModelConfig, b: ModelConfig, ignore: tuple[str, ...] =
 # ---- presets and the layer plan -----------------------------------------------------------
 
 def test_presets_construct():
-    assert set(preset_names()) == {"v41-flash", "v4-flash", "v41-tiny", "v41-small"}
+    assert set(preset_names()) == {"v41-flash", "v4-flash", "v41-tiny", "v41-small", "v4-tiny"}
     for name in preset_names():
         cfg = ModelConfig.preset(name)
         assert cfg.name == name and PRESETS[name] is cfg

@@ -15,16 +15,16 @@ from .config import ModelConfig
 from .formats import layout
 
 __all__ = [
-    "LayerBytes",
-    "KVBudget",
     "BudgetComparison",
-    "main_entry_bytes",
-    "index_key_bytes",
-    "swa_entry_bytes",
-    "compressor_state_bytes",
-    "kv_budget",
+    "KVBudget",
+    "LayerBytes",
     "compare",
+    "compressor_state_bytes",
     "format_budget_table",
+    "index_key_bytes",
+    "kv_budget",
+    "main_entry_bytes",
+    "swa_entry_bytes",
 ]
 
 # The compressor's partial block is kept as the float32 projections it pools (kv and
@@ -52,10 +52,24 @@ def swa_entry_bytes(config: ModelConfig) -> int:
     return main_entry_bytes(config)
 
 
-def compressor_state_bytes(config: ModelConfig, pending_tokens: int) -> int:
-    """Bytes of one KV-source layer's partial-block compressor state holding
-    `pending_tokens` tokens (at most ratio - 1), each with its kv and score projections."""
-    return pending_tokens * 2 * config.head_dim * _COMPRESSOR_STATE_ITEM_BYTES
+def compressor_state_bytes(config: ModelConfig, layer: int, tokens: int) -> int:
+    """Bytes of one KV-source layer's compressor state after `tokens` tokens: the kv and
+    score projections of the tokens % ratio tokens of the unfinished block (2 x head_dim
+    wide with overlapping windows); with overlapping windows, once a block is complete,
+    the first half (kv, score) of the last complete block; and the same for V4's indexer
+    compressor (at index_head_dim) when the layer owns indexer keys."""
+    p = config.layer_plan()[layer]
+    m = p.compress_ratio
+    dims = [config.head_dim] if p.owns_kv else []
+    if p.owns_indexer_keys and config.indexer_compressor:
+        dims.append(config.index_head_dim)
+    total = 0
+    for dim in dims:
+        if m > 1:
+            total += tokens % m * 2 * dim * (2 if p.overlap else 1)
+        if p.overlap and tokens >= m:
+            total += 2 * m * dim
+    return total * _COMPRESSOR_STATE_ITEM_BYTES
 
 
 @dataclass(frozen=True)
@@ -120,7 +134,7 @@ class KVBudget:
         for p in cfg.layer_plan():
             if p.owns_kv:
                 main += tokens // p.compress_ratio * self.main_entry_bytes
-                state += compressor_state_bytes(cfg, tokens % p.compress_ratio)
+                state += compressor_state_bytes(cfg, p.layer, tokens)
             if p.owns_indexer_keys:
                 indexer += tokens // p.compress_ratio * self.index_key_bytes
         swa_live = min(tokens, cfg.sliding_window) * cfg.num_layers \
@@ -135,7 +149,7 @@ class KVBudget:
             "persistent": main + indexer + checkpoints * self.swa_bytes_per_sequence,
         }
 
-    def to_dict(self, compare_to: "KVBudget | None" = None) -> dict[str, Any]:
+    def to_dict(self, compare_to: KVBudget | None = None) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k not in ("config", "per_layer")}
         out["preset"] = self.name
         out["fingerprint"] = self.config.fingerprint()
@@ -159,7 +173,8 @@ def kv_budget(config: ModelConfig) -> KVBudget:
         main_total += main
         index_total += index
         if p.owns_kv:
-            state += compressor_state_bytes(config, p.compress_ratio - 1)
+            # the most a sequence holds: a block short of complete, after a complete one
+            state += compressor_state_bytes(config, p.layer, 2 * p.compress_ratio - 1)
         rows.append(LayerBytes(p.layer, p.part, p.mode, p.compress_ratio,
                                float(main), float(index)))
     swa_seq = config.sliding_window * config.num_layers * swa

@@ -21,7 +21,8 @@ L_enc the encoder layers:
     s = max(0, H - L (W - 1)) when every layer runs on the replayed tokens, or
     s = max(0, min(H, N - W) - L_enc (W - 1)) with decoder replay on (then only the encoder
     runs before N - W). SPEC's L_enc (W - 1) is the encoder part of this bound.
-  - global hit, no snapshot, encoder replay off: recompute the whole prompt (the baseline).
+  - global hit, no snapshot, encoder replay off (or a model with overlapping compressor
+    windows, V4, whose carried window the cached KV lacks): recompute the whole prompt.
   - decoder replay on: decoder layers run on [max(start, N - W), N) only.
 Cut points: H is a multiple of `align` (the cache block, itself a multiple of every compress
 ratio) and at most N - 1, so the prompt's last token always runs (its logits); a hit that
@@ -148,7 +149,9 @@ def plan_prompt(config: ModelConfig, n_prompt: int, *, global_hit: int = 0,
     if P:
         path, start, swa_start, cached, imported = "both_hit", P, 0, None, P // align * align
         global_exact = True
-    elif H and cfg.encoder_replay:
+    elif H and cfg.encoder_replay and not config.overlap_compress_ratios:
+        # (V4's overlapping windows carry the previous block's projections, which the
+        # cached global KV does not hold: such models recompute instead of replaying)
         if cfg.mode == "exact":
             if cfg.decoder_replay:
                 start = max(0, min(H, N - W) - L_enc * (W - 1))

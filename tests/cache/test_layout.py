@@ -40,8 +40,19 @@ def test_bad_block_sizes_and_models_are_refused():
         BlockLayout(tiny, 63)
     with pytest.raises(LayoutError, match="positive"):
         BlockLayout(tiny, 0)
-    with pytest.raises(LayoutError, match="NVFP4"):
-        BlockLayout(ModelConfig.preset("v4-flash"), 128)
+    with pytest.raises(LayoutError, match="multiple of compress ratio"):
+        BlockLayout(ModelConfig.preset("v4-flash"), 64)  # HCA entries span 128 tokens
+
+
+def test_v4_layout_holds_the_fp8_entry():
+    cfg = ModelConfig.preset("v4-flash")
+    lay = BlockLayout(cfg, 128)
+    main = lay.array(2, "main_codes")
+    assert (main.width, main.entries, lay.array(2, "main_scales").width) == (584, 32, 0)
+    assert lay.array(3, "main_codes").entries == 1  # HCA: one entry, no indexer keys
+    with pytest.raises(KeyError):
+        lay.array(3, "index_codes")
+    assert lay.block_bytes == 128 * kv_budget(cfg).global_bytes_per_token
 
 
 def test_fingerprint_changes_with_the_layout():

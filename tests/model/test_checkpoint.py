@@ -108,6 +108,9 @@ def _expected_parameter_count(c: ModelConfig) -> int:
                           c.o_lora_rank)
     Hi, Di, E, inter = c.index_n_heads, c.index_head_dim, c.n_routed_experts, c.moe_intermediate_size
     total = 2 * c.vocab_size * dim + dim                    # embed, head, final norm
+    n = c.hc_mult
+    if n > 1:                                               # mHC: hc_head, 2 sites a layer
+        total += n * n * dim + n + 1 + c.num_layers * 2 * ((2 + n) * n * (n * dim + 1) + 3)
     for p in c.layer_plan():
         total += 2 * dim                                    # attn_norm, ffn_norm
         total += dim * q + q + q * H * D + dim * D + D + H * D * R + G * R * dim + H

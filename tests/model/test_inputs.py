@@ -115,7 +115,7 @@ def test_meta_model_cannot_run(tiny_config):
 
 
 def test_unsupported_configs_are_refused():
-    with pytest.raises(ValueError, match="only for byte accounting"):
-        Model(ModelConfig.preset("v4-flash"))
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        Model(ModelConfig.preset("v4-tiny"), kv_dtype="bfloat16")
     with pytest.raises(TypeError, match="config must be a ModelConfig"):
         Model({"name": "v41-tiny"})

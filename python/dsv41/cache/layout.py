@@ -8,7 +8,10 @@ A block covers `block_tokens` consecutive tokens. For every layer that owns glob
     index_codes   uint8          [entries, index_head_dim / 2]  MXFP4 E2M1 codes
     index_scales  uint8 (UE8M0)  [entries, index_head_dim / 32] MXFP4 scales
 
-(indexer keys only for layers that own them: dense layers have none). The arrays lie
+(indexer keys only for layers that own them: dense layers have none). V4 models
+(main_kv_format fp8_v4) store their main entry as one uint8 row of
+`formats.layout.Fp8V4Layout(head_dim, rope_dim).entry_bytes` bytes in `main_codes`
+(`main_scales` has width 0: the entry holds its own scales). The arrays lie
 back to back in layer order, in the order above, in one flat uint8 buffer of
 `block_bytes` bytes; no padding, so block_bytes == block_tokens x the config's global
 KV bytes per token (890 x 64 = 56,960 for v41-flash). block_tokens must be a multiple of
@@ -68,9 +71,6 @@ class BlockLayout:
     """Payload layout of one block of `block_tokens` tokens for `config`."""
 
     def __init__(self, config: ModelConfig, block_tokens: int = DEFAULT_BLOCK_TOKENS):
-        if config.main_kv_format != "nvfp4":
-            raise LayoutError(f"{config.name}: the cache stores NVFP4 main KV only; main_kv_format "
-                              f"{config.main_kv_format!r} is for byte accounting")
         if not isinstance(block_tokens, int) or block_tokens <= 0:
             raise LayoutError(f"block_tokens must be a positive int, got {block_tokens!r}")
         ratios = sorted({p.compress_ratio for p in config.layer_plan() if p.owns_kv})
@@ -81,11 +81,18 @@ class BlockLayout:
                               f"compressed entry")
         self.config = config
         self.block_tokens = block_tokens
-        main_w = fmt.nvfp4_bytes(config.head_dim)
+        dtypes = dict(_DTYPES)
+        if config.main_kv_format == "nvfp4":
+            main_c, main_s = fmt.NVFP4.row_shapes(config.head_dim)
+            main_w = fmt.nvfp4_bytes(config.head_dim)
+        else:
+            # One packed uint8 record per entry (codes, bf16 RoPE dims and scales together).
+            main_w = main_c = fmt.fp8_v4_layout(config.head_dim, config.rope_head_dim).entry_bytes
+            main_s = 0
+            dtypes["main_scales"] = torch.uint8
         idx_w = fmt.mxfp4_bytes(config.index_head_dim)
         assert main_w == main_entry_bytes(config) and idx_w == index_key_bytes(config)
-        (main_c, main_s), (idx_c, idx_s) = (fmt.NVFP4.row_shapes(config.head_dim),
-                                            fmt.MXFP4.row_shapes(config.index_head_dim))
+        idx_c, idx_s = fmt.MXFP4.row_shapes(config.index_head_dim)
         widths = {"main_codes": main_c, "main_scales": main_s, "index_codes": idx_c,
                   "index_scales": idx_s}
         arrays: list[PayloadArray] = []
@@ -96,7 +103,7 @@ class BlockLayout:
             entries = block_tokens // p.compress_ratio
             kinds = KINDS if p.owns_indexer_keys else KINDS[:2]
             for kind in kinds:
-                arr = PayloadArray(p.layer, kind, p.compress_ratio, offset, entries, widths[kind], _DTYPES[kind])
+                arr = PayloadArray(p.layer, kind, p.compress_ratio, offset, entries, widths[kind], dtypes[kind])
                 arrays.append(arr)
                 offset += arr.nbytes
         if not arrays:

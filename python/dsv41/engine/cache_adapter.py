@@ -73,6 +73,9 @@ def snapshot_to_cache(snap: SwaSnapshot) -> TensorSnapshot:
     for layer, (kv, score) in snap.pending.items():
         tensors[f"pending.{layer}.kv"] = kv
         tensors[f"pending.{layer}.score"] = score
+    for key, (kv, score) in snap.extra.items():  # V4 compressor state (keys contain dots)
+        tensors[f"extra:{key}:kv"] = kv
+        tensors[f"extra:{key}:score"] = score
     for kind, layers in snap.tail.items():
         for layer, (codes, scales) in layers.items():
             tensors[f"tail.{kind}.{layer}.codes"] = codes
@@ -88,7 +91,13 @@ def snapshot_from_cache(cs: TensorSnapshot, device: str | torch.device | None = 
         raise ValueError(f"not a model snapshot (format {cs.meta.get('format')!r})")
     t = {k: (v if device is None else v.to(device)) for k, v in cs.tensors.items()}
     swa_values, swa_scales, pending, tail = {}, {}, {}, {k: {} for k in cs.meta["tail_kinds"]}
+    extra = {}
     for name in t:
+        if name.startswith("extra:"):
+            key, what = name[len("extra:"):].rsplit(":", 1)
+            if what == "kv":
+                extra[key] = (t[name], t[f"extra:{key}:score"])
+            continue
         parts = name.split(".")
         if parts[0] == "swa_values":
             layer = int(parts[1])
@@ -101,4 +110,4 @@ def snapshot_from_cache(cs: TensorSnapshot, device: str | torch.device | None = 
     return SwaSnapshot(config_fingerprint=cs.meta["config_fingerprint"], tokens=t["tokens"].tolist(),
                          aligned_to=int(cs.meta["aligned_to"]), swa_values=dict(sorted(swa_values.items())),
                          swa_scales=dict(sorted(swa_scales.items())), pending=dict(sorted(pending.items())),
-                         tail=tail)
+                         tail=tail, extra=extra)

@@ -81,6 +81,8 @@ def run_demo(args, out=None, err=None) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     clock = _Clock()
     ttl = args.swa_ttl
+    if args.block_tokens is None:  # a block must hold whole compressed entries (V4: 128)
+        args.block_tokens = max([16] + [r for r in config.compress_ratios if r])
     cc = CacheConfig(block_tokens=args.block_tokens, device="cpu", gpu_capacity_bytes=64 << 20,
                      swa_capacity_bytes=256 << 20, swa_ttl_s=ttl, store_dir=str(root / "store"),
                      store_durability="none", store_direct_io=False,
@@ -91,7 +93,11 @@ def run_demo(args, out=None, err=None) -> dict:
         ok = cache.remote.wait_connected(10.0)
         progress(f"[demo] remote tier: blocks {args.remote_blocks}, snapshots {args.remote_snapshots}"
                  f"{'' if ok else ' (not reachable yet: lookups miss until it is)'}")
-    engine = Engine(model, cache=cache, replay="bounded", max_batch=args.conversations)
+    # Encoder replay over cached global KV needs every compressor's state at a block
+    # boundary to be a function of the cached entries; V4's overlapping windows carry the
+    # previous block's projections, so V4 models resume from SWA snapshots or recompute.
+    replay = "off" if config.overlap_compress_ratios else "bounded"
+    engine = Engine(model, cache=cache, replay=replay, max_batch=args.conversations)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     shared, convs = _workload(args, config.vocab_size)
     progress(f"[demo] cache dir {root} (block {args.block_tokens} tokens, SWA TTL {ttl:g} s); "
@@ -237,7 +243,8 @@ def add_demo_parser(sub) -> None:
     d.add_argument("--user-tokens", type=int, default=24)
     d.add_argument("--tool-tokens", type=int, default=48)
     d.add_argument("--max-new-tokens", type=int, default=6)
-    d.add_argument("--block-tokens", type=int, default=16)
+    d.add_argument("--block-tokens", type=int, default=None,
+                   help="cache block size (default: 16, or the largest compress ratio if larger)")
     d.add_argument("--swa-ttl", type=float, default=300.0, help="SWA snapshot TTL (s)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--remote-blocks", default=None, metavar="URL",

@@ -10,5 +10,15 @@ from .context import swa_index
 from .model import Block, Extend, Model
 from .state import RowStore, SequenceState, SwaSnapshot, state_bytes_equal, state_diff
 
-__all__ = ["Model", "Block", "Extend", "SequenceState", "RowStore", "SwaSnapshot", "state_bytes_equal",
-           "state_diff", "CheckpointError", "swa_index"]
+__all__ = [
+           "Block",
+           "CheckpointError",
+           "Extend",
+           "Model",
+           "RowStore",
+           "SequenceState",
+           "SwaSnapshot",
+           "state_bytes_equal",
+           "state_diff",
+           "swa_index",
+]

@@ -12,29 +12,59 @@ heads, then `wo_b`).
 
 Mode by layer plan: SWA-only (ratio 0) has no global path; Full owns `compressor` and
 `indexer` (with the key projection); Reindex owns `indexer` without keys; Reuse owns
-neither and reads its sources' state.
+neither and reads its sources' state. V4's dense (HCA) layers own a compressor and attend
+to every visible entry without an indexer.
+
+Where the KV is not V4.1's stored formats (V4's FP8 entry, or the float32 reference mode),
+the rows are decoded to float32 and attended by `attend` below (float64 math, the same
+softmax with sink as the ops).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
-from .. import formats, ops
+from .. import ops
 from ..config import LayerPlan, ModelConfig
 from .compressor import Compressor
 from .context import ForwardContext, swa_index
 from .indexer import Indexer
+from .kv_codec import KVCodec
 from .layers import Linear, RMSNorm, as_f64, rms_normalize
 from .rope import Rope
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "attend"]
+
+
+def attend(q: torch.Tensor, swa: torch.Tensor, swa_idx: torch.Tensor, kv: torch.Tensor,
+           kv_idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """One softmax per query and head over its valid SWA rows and selected global rows,
+    plus the head's sink logit (which takes probability but gives no value).
+
+    q [T,H,D] f32; swa [Ns,D] and kv [Ng,D] f32 rows; swa_idx [T,W] / kv_idx [T,K] int row
+    ids (-1 = none); sink [H]. MQA: each row is key and value. Returns [T,H,D] f32."""
+    if kv.shape[0] == 0:
+        kv_idx = kv_idx[:, :0]
+    keys = torch.cat((swa.double()[swa_idx.clamp(min=0).long()],
+                      kv.double()[kv_idx.clamp(min=0).long()]), 1)        # [T, W+K, D]
+    valid = torch.cat((swa_idx >= 0, kv_idx >= 0), 1)
+    scores = torch.einsum("thd,tkd->thk", q.double(), keys) * scale
+    scores = scores.masked_fill(~valid[:, None, :], -math.inf)
+    sink64 = sink.double()[None, :].expand(q.shape[0], -1)
+    m = torch.maximum(scores.amax(-1), sink64)
+    p = torch.exp(scores - m[..., None])
+    denom = p.sum(-1) + torch.exp(sink64 - m)
+    return (torch.einsum("thk,tkd->thd", p, keys) / denom[..., None]).float()
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, plan: LayerPlan, *, indexer_rotation: bool = True):
+    def __init__(self, config: ModelConfig, plan: LayerPlan, *, indexer_rotation: bool = True,
+                 codec: KVCodec):
         super().__init__()
         c = config
-        self.config, self.plan, self.layer = c, plan, plan.layer
+        self.config, self.plan, self.layer, self.codec = c, plan, plan.layer, codec
         H, D = c.num_heads, c.head_dim
         self.wq_a = Linear(c.hidden_size, c.q_lora_rank)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
@@ -47,7 +77,7 @@ class Attention(nn.Module):
         if plan.owns_kv:
             self.compressor = Compressor(c, plan.layer)
         if plan.owns_index_query:
-            self.indexer = Indexer(c, plan, rotate=indexer_rotation)
+            self.indexer = Indexer(c, plan, rotate=indexer_rotation, codec=codec)
         self.rope = Rope.for_layer(c, plan.compress_ratio)
         self.softmax_scale = D ** -0.5
 
@@ -68,6 +98,23 @@ class Attention(nn.Module):
         q = rms_normalize(q, c.rms_norm_eps).float()
         return qr, self.rope.rotate(q, positions)
 
+    def append_entries(self, kv_input: torch.Tensor, ctx: ForwardContext) -> None:
+        """Stage the global entries (and indexer keys) the segments' new tokens complete."""
+        layer = self.layer
+        for seg, latent, pos in self.compressor.compress(
+                kv_input, ctx, lambda s: s.state.main_kv[layer].n):
+            entry = self.rope.rotate(latent, pos)
+            self.codec.stage_main(seg.state.main_kv[layer], entry)
+            if self.plan.owns_indexer_keys and not self.config.indexer_compressor:
+                self.codec.stage_index(seg.state.index_keys[layer],
+                                       self.indexer.key_values(latent, pos))
+            ctx.record(layer, entry_positions=pos, latent=latent, entry=entry)
+        if self.plan.owns_indexer_keys and self.config.indexer_compressor:
+            for seg, latent, pos in self.indexer.compressor.compress(
+                    kv_input, ctx, lambda s: s.state.index_keys[layer].n):
+                self.codec.stage_index(seg.state.index_keys[layer],
+                                       self.indexer.key_values(latent, pos))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
                 kv_input: torch.Tensor | None = None,
                 kv_ctx: ForwardContext | None = None) -> torch.Tensor:
@@ -81,10 +128,9 @@ class Attention(nn.Module):
         pos = ctx.positions
         qr, q = self.queries(x, pos)
         swa = self.rope.rotate(self.kv_norm(self.wkv(x)), pos)
-        swa_values, swa_scales = formats.quantize_fp8_swa(swa)
+        swa_values, swa_scales = self.codec.encode_swa(swa)
         if p.owns_kv:
-            self.compressor.append(x if kv_input is None else kv_input, kv_ctx or ctx, self.rope,
-                                   getattr(self, "indexer", None) if p.owns_indexer_keys else None)
+            self.append_entries(x if kv_input is None else kv_input, kv_ctx or ctx)
         use_index = p.owns_index_query and not ctx.dense
         if use_index:
             iq_codes, iq_scales, iw = self.indexer.queries(x, qr, pos)
@@ -97,29 +143,43 @@ class Attention(nn.Module):
             buf_values = torch.cat((st.swa_values[self.layer], swa_values[rows]))
             buf_scales = torch.cat((st.swa_scales[self.layer], swa_scales[rows]))
             sidx = swa_index(seg.start, seg.length, W, seg.swa_start, device=x.device)
-            if p.compress_ratio == 0:
-                kv_codes = torch.zeros(0, c.head_dim // 2, dtype=torch.uint8, device=x.device)
-                kv_scales = torch.zeros(0, c.head_dim // 16, dtype=torch.float8_e4m3fn,
-                                        device=x.device)
-                kidx = torch.zeros(seg.length, 0, dtype=torch.int32, device=x.device)
-            else:
+            kv_codes = kv_scales = None
+            kidx = torch.zeros(seg.length, 0, dtype=torch.int32, device=x.device)
+            if p.compress_ratio:
                 kv_codes, kv_scales = st.main_kv[p.kv_source].rows()
-                if ctx.dense:
+                if p.dense or ctx.dense:
                     visible = (seg.positions + 1) // p.compress_ratio
-                    out, _ = ops.dense_attention(q[rows], buf_values, buf_scales, sidx, kv_codes,
-                                                 kv_scales, visible, sink, self.softmax_scale)
-                    outs.append(out)
                     ctx.record(self.layer, swa_idx=sidx, kv_visible=visible)
-                    continue
-                if use_index:
+                    if self.codec.ops_read_stored:
+                        out, _ = ops.dense_attention(q[rows], buf_values, buf_scales, sidx,
+                                                     kv_codes, kv_scales, visible, sink,
+                                                     self.softmax_scale)
+                        outs.append(out)
+                        continue
+                    cols = torch.arange(kv_codes.shape[0], device=x.device)
+                    kidx = torch.where(cols[None, :] < visible[:, None], cols[None, :],
+                                       -1).to(torch.int32)
+                elif use_index:
                     kidx = self.indexer.select(seg, iq_codes[rows], iq_scales[rows], iw[rows])
                     seg.topk[self.layer] = kidx
                     ctx.record(self.layer, index_q=(iq_codes[rows], iq_scales[rows]),
                                index_w=iw[rows], candidates=seg.candidates)
                 else:
                     kidx = seg.topk[p.index_source]
-            out, _ = ops.sparse_attention(q[rows], buf_values, buf_scales, sidx, kv_codes,
-                                          kv_scales, kidx, sink, self.softmax_scale)
+            if self.codec.ops_read_stored:
+                if kv_codes is None:
+                    spec = self.codec.main_spec()
+                    kv_codes = torch.zeros(0, spec.code_cols, dtype=spec.code_dtype,
+                                           device=x.device)
+                    kv_scales = torch.zeros(0, spec.scale_cols, dtype=spec.scale_dtype,
+                                            device=x.device)
+                out, _ = ops.sparse_attention(q[rows], buf_values, buf_scales, sidx, kv_codes,
+                                              kv_scales, kidx, sink, self.softmax_scale)
+            else:
+                kv = (torch.zeros(0, c.head_dim, device=x.device) if kv_codes is None
+                      else self.codec.decode_main(kv_codes, kv_scales))
+                out = attend(q[rows], self.codec.decode_swa(buf_values, buf_scales), sidx, kv,
+                             kidx, sink, self.softmax_scale)
             outs.append(out)
             ctx.record(self.layer, q=q[rows], swa_idx=sidx, kv_idx=kidx, attn=out)
         o = self.rope.rotate(torch.cat(outs), pos, inverse=True)

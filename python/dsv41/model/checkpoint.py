@@ -6,8 +6,12 @@ model-00001-of-0000N.safetensors, each at most `max_shard_bytes` (a tensor large
 that gets a shard of its own), and the index maps every tensor name to its shard. Loading
 also accepts a single `model.safetensors` without an index.
 
-Loading checks the names and shapes of every tensor against the model the config builds
-and fails with an error naming the missing, unexpected or mis-shaped tensors.
+Loading also reads a directory written by transformers' DeepseekV4ForCausalLM.
+save_pretrained and DeepSeek's original naming with FP8 / FP4 weights (dequantized to
+float32 on load; `weights.py` gives the layouts). Draft-layer (`mtp.*`) tensors are
+ignored. Loading checks the names, shapes and dtypes of every tensor against the model
+the config builds and fails with an error naming the missing, unexpected or mis-shaped
+tensors.
 
 `weights_digest.json` records the weights' content digest (model/weights_id.py): written by
 save_pretrained and `dsv41 digest DIR`, re-checked cheaply by load_pretrained, which sets
@@ -23,6 +27,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
+from .weights import (
+    WeightError,
+    dequantize_all,
+    from_transformers,
+    is_transformers_naming,
+)
 from .weights_id import check_weights_id, record_weights_digest, recorded_weights_digest
 
 __all__ = ["CheckpointError", "save_pretrained", "load_pretrained", "shard_files", "digest_checkpoint",
@@ -52,13 +62,15 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = 2 <<
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config.to_hf_dict()
-    cfg["dsv41"] = {"format_version": FORMAT_VERSION, "model_options": model.options,
+    options = {k: v for k, v in model.options.items() if k != "kv_dtype"}  # a load-time choice
+    cfg["dsv41"] = {"format_version": FORMAT_VERSION, "model_options": options,
                     "torch_dtype": "float32"}
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in model.state_dict().items():
-        t = t.detach().to("cpu", torch.float32).contiguous()
+        t = t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype)
+        t = t.contiguous()
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
@@ -109,7 +121,7 @@ def digest_checkpoint(directory: str | Path, progress=None) -> str:
 
 
 def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu",
-                    weights_id: str | None = None):
+                    kv_dtype: str = "stored", weights_id: str | None = None):
     """The model of a checkpoint directory. weights_id: the operator's identity for these
     weights; by default the recorded digest (None when the checkpoint has none)."""
     weights_id = check_weights_id(weights_id)
@@ -119,12 +131,37 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
     raw = json.loads((directory / CONFIG_NAME).read_text())
     config = ModelConfig.from_dict(raw)
     options = dict(raw.get("dsv41", {}).get("model_options", {}))
+    options.pop("kv_dtype", None)
     with torch.device("meta"):
-        model = cls(config, **options)
-    expected = {name: p for name, p in model.state_dict().items()}
-    weight_map = _weight_map(directory)
-    missing = set(expected) - set(weight_map)
-    extra = set(weight_map) - set(expected)
+        model = cls(config, **options, kv_dtype=kv_dtype)
+    expected = dict(model.state_dict())
+    weight_map = {k: v for k, v in _weight_map(directory).items() if not k.startswith("mtp.")}
+    files: dict[str, list[str]] = {}
+    for name, fname in weight_map.items():
+        files.setdefault(fname, []).append(name)
+    for fname, names in files.items():
+        if not (directory / fname).exists():
+            raise CheckpointError(f"{directory}: shard {fname} (holding {_names(names, 3)}) "
+                                  f"is missing")
+    tensors: dict[str, torch.Tensor] = {}
+    for fname, names in files.items():
+        with safe_open(str(directory / fname), framework="pt") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"{fname}: the index lists tensor {name!r} in this "
+                                          f"shard, but it is not there")
+                tensors[name] = f.get_tensor(name)
+    try:
+        if is_transformers_naming(tensors):
+            tensors = from_transformers(tensors)
+        quant = raw.get("quantization_config") or raw.get("text_config", {}).get(
+            "quantization_config")
+        tensors = dequantize_all(tensors, quant)
+    except WeightError as exc:
+        raise CheckpointError(f"{directory}: {exc}") from None
+    missing = set(expected) - set(tensors)
+    extra = set(tensors) - set(expected)
     if missing or extra:
         parts = []
         if missing:
@@ -133,31 +170,19 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
             parts.append(f"unexpected tensors: {_names(extra)}")
         raise CheckpointError(f"{directory}: checkpoint does not match config "
                               f"{config.name!r}: " + "; ".join(parts))
-    files: dict[str, list[str]] = {}
-    for name, fname in weight_map.items():
-        files.setdefault(fname, []).append(name)
-    for fname, names in files.items():
-        if not (directory / fname).exists():
-            raise CheckpointError(f"{directory}: shard {fname} (holding {_names(names, 3)}) "
-                                  f"is missing")
     model = model.to_empty(device=device)
     params = model.state_dict()
     with torch.no_grad():
-        for fname, names in files.items():
-            with safe_open(str(directory / fname), framework="pt") as f:
-                present = set(f.keys())
-                for name in names:
-                    if name not in present:
-                        raise CheckpointError(f"{fname}: the index lists tensor {name!r} in this "
-                                              f"shard, but it is not there")
-                    t = f.get_tensor(name)
-                    want = params[name]
-                    if tuple(t.shape) != tuple(want.shape):
-                        raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, "
-                                              f"expected {tuple(want.shape)}")
-                    if not t.is_floating_point():
-                        raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, expected a "
-                                              f"floating dtype (float32)")
-                    want.copy_(t.to(torch.float32))
-    model.weights_id = weights_id if weights_id is not None else recorded_weights_digest(directory, files)
+        for name, t in tensors.items():
+            want = params[name]
+            if tuple(t.shape) != tuple(want.shape):
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, "
+                                      f"expected {tuple(want.shape)}")
+            if want.is_floating_point() != t.is_floating_point():
+                raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, expected "
+                                      f"{'a floating dtype' if want.is_floating_point() else want.dtype}")
+            want.copy_(t.to(want.dtype))
+    # The digest covers every shard (draft-layer ones too), as `dsv41 digest` records it.
+    model.weights_id = (weights_id if weights_id is not None
+                        else recorded_weights_digest(directory, shard_files(directory)))
     return model

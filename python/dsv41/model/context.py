@@ -13,7 +13,7 @@ import torch
 
 from .state import SequenceState
 
-__all__ = ["Segment", "ForwardContext", "swa_index"]
+__all__ = ["ForwardContext", "Segment", "swa_index"]
 
 
 def swa_index(start: int, count: int, window: int, swa_start: int = 0,
@@ -50,7 +50,8 @@ class Segment:
     base: int = 0
     # Staged writes, committed after the last layer.
     swa_new: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    pending_new: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Compressor state keyed like SequenceState.comp_state (int: pending, str: extra).
+    pending_new: dict[int | str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Per-call selections shared between layers: index source -> [T, K] entry ids; the
     # candidate positions of the candidate source layer.
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -87,7 +88,8 @@ class Segment:
             st.swa_scales[layer][slots] = scales[-keep:]
         if not advance:
             return
-        st.pending.update(self.pending_new)
+        for key, value in self.pending_new.items():
+            (st.pending if isinstance(key, int) else st.extra)[key] = value
         st.tokens.extend(int(t) for t in self.tokens.tolist())
         st.position += self.length
 
@@ -101,7 +103,7 @@ class ForwardContext:
 
     @classmethod
     def build(cls, segments: list[Segment], *, dense: bool = False,
-              trace: dict | None = None) -> "ForwardContext":
+              trace: dict | None = None) -> ForwardContext:
         positions = torch.cat([s.positions for s in segments])
         return cls(segments, positions, dense, trace)
 

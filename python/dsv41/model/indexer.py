@@ -1,8 +1,11 @@
 """The lightning indexer: which global entries each query attends to (SPEC section 2).
 
-Keys (owned by the Full layer): k = RMSNorm(W_k latent) from the compressor's normalized
-entry (Linear head_dim -> index_head_dim, `k_norm`), RoPE at the entry's first position,
-the optional Hadamard rotation, MXFP4. Queries (every Full and Reindex layer):
+Keys (owned by the Full layer): V4.1: k = RMSNorm(W_k latent) from the compressor's
+normalized entry (Linear head_dim -> index_head_dim, `k_norm`); V4 (`indexer_compressor`):
+the indexer's own compressor over the layer input (`compressor.{wkv, wgate, ape, norm}` at
+index_head_dim, the main compressor's windows). Then RoPE at the entry's first position,
+the optional Hadamard rotation and MXFP4 (float32 and no rotation in the kv_dtype
+"float32" reference mode, where scores are computed on the unquantized q and k). Queries (every Full and Reindex layer):
 q = W_q' qr (from the layer's q-lora latent, `index_n_heads` heads), RoPE at the query
 position, the optional rotation, MXFP4; head weights w = W_w x * (Di * Hi)^-1/2.
 Score I_j = sum_h w_h ReLU(q_h . k_j) over MXFP4-dequantized q and k.
@@ -20,9 +23,11 @@ import functools
 import torch
 from torch import nn
 
-from .. import formats, ops
+from .. import ops
 from ..config import MODE_FULL, MODE_REINDEX, LayerPlan, ModelConfig
+from .compressor import Compressor
 from .context import Segment
+from .kv_codec import KVCodec
 from .layers import Linear, RMSNorm
 from .rope import Rope
 
@@ -32,7 +37,7 @@ __all__ = ["Indexer", "hadamard"]
 _SCORE_ELEMS = 1 << 23
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hadamard_matrix(n: int) -> torch.Tensor:
     if n & (n - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two dim, got {n}")
@@ -48,15 +53,21 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 class Indexer(nn.Module):
-    def __init__(self, config: ModelConfig, plan: LayerPlan, *, rotate: bool):
+    def __init__(self, config: ModelConfig, plan: LayerPlan, *, rotate: bool, codec: KVCodec):
         super().__init__()
         c = config
-        self.config, self.plan, self.rotate = c, plan, rotate
+        self.config, self.plan, self.codec = c, plan, codec
+        # The rotation only serves the quantization; the float reference scores q.k as is.
+        self.rotate = rotate and codec.quantized_index
         self.wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim)
         self.weights_proj = Linear(c.hidden_size, c.index_n_heads)
         if plan.owns_indexer_keys:
-            self.wk = Linear(c.head_dim, c.index_head_dim)
-            self.k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps)
+            if c.indexer_compressor:
+                self.compressor = Compressor(c, plan.layer, dim=c.index_head_dim,
+                                             state_key=f"index.{plan.layer}")
+            else:
+                self.wk = Linear(c.head_dim, c.index_head_dim)
+                self.k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps)
         self.rope = Rope.for_layer(c, plan.compress_ratio)
         self.weight_scale = (c.index_head_dim * c.index_n_heads) ** -0.5
 
@@ -65,19 +76,24 @@ class Indexer(nn.Module):
         return hadamard(x) if self.rotate else x
 
     def _finish(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return formats.quantize_mxfp4(self._rotate(x, pos))
+        return self.codec.encode_index(self._rotate(x, pos))
 
     def key_values(self, latent: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The float32 keys [n, Di] that are quantized to MXFP4 and stored (before quantization,
-        so the cache write can quantize in place: RowStore.stage_quantized)."""
+        """The float32 keys [n, Di] that the codec stores (before encoding, so the cache
+        write can quantize in place: KVCodec.stage_index / RowStore.stage_quantized). latent
+        [n, D] is the main compressor's normalized entry (V4.1) or the indexer compressor's
+        (V4)."""
+        if hasattr(self, "compressor"):
+            return self._rotate(latent, pos)
         return self._rotate(self.k_norm(self.wk(latent)), pos)
 
     def keys(self, latent: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """MXFP4 keys (codes, scales) of normalized entries latent [n, D] at positions pos."""
-        return formats.quantize_mxfp4(self.key_values(latent, pos))
+        """Stored keys (codes, scales) of entries latent at positions pos (see key_values)."""
+        return self.codec.encode_index(self.key_values(latent, pos))
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor):
-        """MXFP4 queries (codes [T,Hi,Di/2], scales [T,Hi,Di/32]) and head weights [T,Hi]."""
+        """Stored-format queries (MXFP4 codes [T,Hi,Di/2], scales [T,Hi,Di/32]; float32
+        [T,Hi,Di] and empty scales in the reference mode) and head weights [T,Hi]."""
         c = self.config
         q = self.wq_b(qr).view(-1, c.index_n_heads, c.index_head_dim)
         codes, scales = self._finish(q, pos)
@@ -97,8 +113,8 @@ class Indexer(nn.Module):
             idx, cands = [], []
             for t0 in range(0, T, step):
                 rows = slice(t0, min(T, t0 + step))
-                scores = ops.indexer_scores(q_codes[rows], q_scales[rows], w[rows], k_codes,
-                                            k_scales)
+                scores = self._scores(q_codes[rows], q_scales[rows], w[rows], k_codes,
+                                      k_scales)
                 idx.append(ops.topk_visible(scores, visible[rows], c.index_topk))
                 if is_source:
                     cands.append(ops.candidate_blocks(scores, visible[rows],
@@ -110,7 +126,27 @@ class Indexer(nn.Module):
         if p.mode != MODE_REINDEX or seg.candidates is None:
             raise RuntimeError(f"layer {p.layer}: no candidate pool for a {p.mode} layer")
         cands = seg.candidates
-        scores = ops.indexer_scores_at(q_codes, q_scales, w, k_codes, k_scales, cands)
+        if self.codec.quantized_index:
+            scores = ops.indexer_scores_at(q_codes, q_scales, w, k_codes, k_scales, cands)
+        elif k_codes.shape[0] == 0:
+            scores = torch.full(cands.shape, float("-inf"), device=cands.device)
+        else:  # float reference: the candidates' keys, scored as in _scores
+            keys = k_codes.double()[cands.clamp(min=0).long()]          # [T, C, Di]
+            dots = torch.einsum("thd,tcd->thc", q_codes.double(), keys)
+            scores = self._weighted(dots, w).masked_fill(cands < 0, float("-inf"))
         chosen = ops.topk_visible(scores, (cands >= 0).sum(1), c.index_topk)
         picked = cands.gather(1, chosen.clamp(min=0).long())
         return torch.where(chosen >= 0, picked, -1)
+
+    def _scores(self, q, q_scales, w, k, k_scales) -> torch.Tensor:
+        """I[t, j] = sum_h w[t,h] relu(q[t,h] . k[j]) [T, N] float32."""
+        if self.codec.quantized_index:
+            return ops.indexer_scores(q, q_scales, w, k, k_scales)
+        return self._weighted(torch.einsum("thd,nd->thn", q.double(), k.double()), w)
+
+    @staticmethod
+    def _weighted(dots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        acc = dots[:, 0].clamp(min=0) * w[:, 0, None].double()
+        for h in range(1, dots.shape[1]):  # fixed head order
+            acc = acc + dots[:, h].clamp(min=0) * w[:, h, None].double()
+        return acc.float()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Linear", "RMSNorm", "Embedding", "as_f64", "rms_normalize"]
+__all__ = ["Embedding", "Linear", "RMSNorm", "as_f64", "rms_normalize"]
 
 
 def as_f64(param: torch.Tensor) -> torch.Tensor:

@@ -10,12 +10,16 @@
     outs = model.extend_batch([Extend(ids, state, swa_start=s, cached_until=H,
                                       decoder_start=d)])   # replay (docs/replay.md)
 
-The network: embedding; 40 pre-norm residual blocks (attention + MoE), the first
+The network: embedding; pre-norm blocks (attention + MoE), for V4.1 the first
 num_encoder_layers forming the causal encoder, the rest the decoder; final RMSNorm; head.
+With mHC (hc_mult > 1) the residual is hc_mult streams (the embedding copied into each),
+mixed around every block (`mhc.py`) and collapsed by `hc_head` before the final norm.
 The decoder's global KV is projected from the encoder's final hidden state H_enc (the
-residual stream after the last encoder layer) by the decoder's Full layer only:
-C = compressor(attn_norm(H_enc)). Engram, mHC, the draft (MTP) layers and vision are not
-modelled (docs/model.md).
+residual stream(s) after the last encoder layer) by the decoder's Full layer only:
+C = compressor(attn_norm(X_enc)), where X_enc is H_enc itself with hc_mult = 1 and, with
+several streams, their collapse by that layer's own attention-site mHC `pre` weights
+computed from H_enc - exactly the block input the layer computes in a plain forward.
+Engram, the draft (MTP) layers, DSpark and vision are not modelled (docs/model.md).
 
 Every call validates its inputs before touching a state; a call that fails mid-way rolls
 its staged writes back, so a state is only ever advanced by a whole call.
@@ -32,7 +36,9 @@ from torch import nn
 from ..config import MODE_FULL, PART_DECODER, ModelConfig
 from .attention import Attention
 from .context import ForwardContext, Segment
+from .kv_codec import KV_DTYPES, codec_for
 from .layers import Embedding, Linear, RMSNorm
+from .mhc import HyperConnection, add_site, hc_head
 from .moe import MoE
 from .state import SequenceState
 
@@ -65,24 +71,56 @@ class Extend:
 
 
 class Block(nn.Module):
-    """One pre-norm residual layer: h += attn(attn_norm(h)); h += ffn(ffn_norm(h))."""
+    """One pre-norm residual layer: h += attn(attn_norm(h)); h += ffn(ffn_norm(h)); with
+    mHC, each `+=` is the hyper-connection (hc_attn_*, hc_ffn_* weights)."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, indexer_rotation: bool):
+    def __init__(self, config: ModelConfig, layer: int, *, indexer_rotation: bool, codec):
         super().__init__()
-        plan = config.layer_plan()[layer]
+        c = config
+        plan = c.layer_plan()[layer]
         self.layer = layer
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, plan, indexer_rotation=indexer_rotation)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = MoE(config)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn = Attention(c, plan, indexer_rotation=indexer_rotation, codec=codec)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn = MoE(c, layer)
+        self.hc: dict[str, HyperConnection] = {}
+        if c.hc_mult > 1:
+            n = c.hc_mult
+            for site in ("hc_attn", "hc_ffn"):
+                add_site(self, site, n, (2 + n) * n, c.hidden_size)
+                self.hc[site] = HyperConnection(self, site, n=n, iters=c.hc_sinkhorn_iters,
+                                                eps=c.hc_eps, norm_eps=c.rms_norm_eps)
+
+    def attn_input(self, h: torch.Tensor):
+        """The attention's input attn_norm(x) from the residual h, and the mHC weights
+        (None without mHC)."""
+        if not self.hc:
+            return self.attn_norm(h), None
+        pre, post, comb = self.hc["hc_attn"].weights(h)
+        return self.attn_norm(HyperConnection.collapse(h, pre)), (post, comb)
+
+    @staticmethod
+    def residual(h: torch.Tensor, out: torch.Tensor, mix) -> torch.Tensor:
+        if mix is None:
+            return h + out
+        return HyperConnection.expand(h, out, *mix)
+
+    def ffn_step(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        if not self.hc:
+            return h + self.ffn(self.ffn_norm(h), tokens)
+        pre, post, comb = self.hc["hc_ffn"].weights(h)
+        out = self.ffn(self.ffn_norm(HyperConnection.collapse(h, pre)), tokens)
+        return HyperConnection.expand(h, out, post, comb)
 
 
 class Model(nn.Module):
     """The V4.1 model. Parameter names follow the public checkpoint layout (docs/model.md).
 
-    Options (saved with the checkpoint, part of the state's identity because they change
-    stored bytes): indexer_rotation - Hadamard-rotate indexer queries and keys before
-    MXFP4 quantization (default True, as in V4).
+    Options (part of the state's identity because they change stored bytes):
+    indexer_rotation - Hadamard-rotate indexer queries and keys before MXFP4 quantization
+    (default True, as in V4; saved with the checkpoint); kv_dtype - "stored" (default: the
+    formats a server stores) or "float32" (the unquantized reference mode, never cached;
+    not saved: choose it at load time).
     Runtime switch: `dense_attention = True` makes every compressing layer attend to all of
     its visible global entries instead of the top-k (the benchmark's dense baseline).
 
@@ -91,18 +129,27 @@ class Model(nn.Module):
     unknown. Whoever changes the weights in place must set it again (or to None).
     """
 
-    def __init__(self, config: ModelConfig, *, indexer_rotation: bool = True):
+    def __init__(self, config: ModelConfig, *, indexer_rotation: bool = True,
+                 kv_dtype: str = "stored"):
         super().__init__()
         _check_supported(config, indexer_rotation)
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         self.config = config
         self.options = {"indexer_rotation": bool(indexer_rotation)}
         self.weights_id: str | None = None
+        if kv_dtype != "stored":
+            self.options["kv_dtype"] = kv_dtype
+        self.codec = codec_for(config, kv_dtype)
         self.dense_attention = False
         self.embed = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i, indexer_rotation=indexer_rotation)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            Block(config, i, indexer_rotation=indexer_rotation, codec=self.codec)
+            for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = Linear(config.hidden_size, config.vocab_size)
+        if config.hc_mult > 1:
+            add_site(self, "hc_head", config.hc_mult, config.hc_mult, config.hidden_size)
         self._decoder_full = next(
             (p.layer for p in config.layer_plan()
              if p.part == PART_DECODER and p.mode == MODE_FULL), None)
@@ -111,7 +158,7 @@ class Model(nn.Module):
 
     @classmethod
     def synthetic(cls, config: ModelConfig, seed: int = 0, *, device: str | torch.device = "cpu",
-                  **options) -> "Model":
+                  **options) -> Model:
         """A model with deterministic synthetic weights (see `init_synthetic`)."""
         with torch.device("meta"):
             model = cls(config, **options)
@@ -119,7 +166,7 @@ class Model(nn.Module):
         model.init_synthetic(seed)
         return model
 
-    def init_synthetic(self, seed: int) -> "Model":
+    def init_synthetic(self, seed: int) -> Model:
         from .synthetic import init_synthetic
         from .weights_id import synthetic_weights_id
         init_synthetic(self, seed)
@@ -132,9 +179,13 @@ class Model(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu",
-                        weights_id: str | None = None) -> "Model":
+                        kv_dtype: str = "stored", weights_id: str | None = None) -> Model:
+        """Load dsv41's own checkpoints, directories written by transformers'
+        DeepseekV4ForCausalLM.save_pretrained, and DeepSeek's naming with FP8/FP4 weights
+        (docs/model.md, "Checkpoints")."""
         from .checkpoint import load_pretrained
-        return load_pretrained(cls, directory, device=device, weights_id=weights_id)
+        return load_pretrained(cls, directory, device=device, kv_dtype=kv_dtype,
+                               weights_id=weights_id)
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, device=self.device, options=self.options)
@@ -149,6 +200,9 @@ class Model(nn.Module):
         (dsv41.cache.hashing.model_fingerprint)."""
         import hashlib
         import json
+        if self.options.get("kv_dtype", "stored") != "stored":
+            raise ValueError(f"kv_dtype={self.options['kv_dtype']!r} is a reference mode: its "
+                             f"states are never cached or shared")
         blob = json.dumps({"config": self.config.fingerprint(), "options": self.options},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
@@ -214,6 +268,10 @@ class Model(nn.Module):
                              f"(the state's position)")
         if it.cached_until is not None:
             H = int(it.cached_until)
+            if H > pos and self.config.overlap_compress_ratios:
+                raise ValueError(f"{where}cached_until={H}: replay over cached global KV is "
+                                 f"not supported with overlapping compressor windows (V4): "
+                                 f"the carried window is not part of the cached entries")
             m = st._block_multiple()
             if H < pos or H % m:
                 raise ValueError(f"{where}cached_until={H} must be a multiple of {m} (every "
@@ -310,7 +368,10 @@ class Model(nn.Module):
         enc_ctx, h_enc, dsegs = None, None, []
         first_decoder = self.config.num_encoder_layers
         try:
-            h = self.embed(torch.cat([s.tokens for s in segs]))
+            tok = torch.cat([s.tokens for s in segs])
+            h = self.embed(tok)
+            if self.config.hc_mult > 1:
+                h = h[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
             for block in self.layers:
                 if block.layer == first_decoder and dec_from and any(dec_from):
                     # Decoder replay: the decoder layers run on each segment's tokens from
@@ -325,23 +386,28 @@ class Model(nn.Module):
                         keep.append(torch.arange(s.rows.start + k, s.rows.stop))
                         offset += d.length
                     ctx = ForwardContext.build(dsegs, dense=self.dense_attention, trace=trace)
-                    h = h.index_select(0, torch.cat(keep).to(h.device))
-                x = block.attn_norm(h)
+                    keep_rows = torch.cat(keep).to(h.device)
+                    h, tok = h.index_select(0, keep_rows), tok.index_select(0, keep_rows)
+                x, mix = block.attn_input(h)
                 kv_input, kv_ctx = None, None
                 if block.layer == self._decoder_full:
                     # The decoder's global KV is a function of the encoder's final hidden
-                    # state H_enc only: its compressor reads attn_norm(H_enc). In a plain
-                    # forward that is x itself; decoder replay passes the longer H_enc of
-                    # every token of the call (and its segments).
+                    # state H_enc only: its compressor reads attn_norm(X_enc), X_enc being
+                    # this layer's block input computed from H_enc (module docstring). In a
+                    # plain forward that is x itself; decoder replay passes the longer H_enc
+                    # of every token of the call (and its segments).
                     if h_enc is None:
                         ctx.record(block.layer, h_enc=h)
                         kv_input = x
                     else:
                         ctx.record(block.layer, h_enc=h_enc)
-                        kv_input, kv_ctx = block.attn_norm(h_enc), enc_ctx
-                h = h + block.attn(x, ctx, kv_input, kv_ctx)
-                h = h + block.ffn(block.ffn_norm(h))
+                        kv_input, kv_ctx = block.attn_input(h_enc)[0], enc_ctx
+                h = block.residual(h, block.attn(x, ctx, kv_input, kv_ctx), mix)
+                h = block.ffn_step(h, tok)
                 ctx.record(block.layer, hidden=h)
+            if self.config.hc_mult > 1:
+                h = hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
+                            self.config.hc_eps, self.config.rms_norm_eps)
             out_segs = ctx.segments
             rows = torch.cat([
                 torch.arange(s.rows.start, s.rows.stop) if want
@@ -381,12 +447,6 @@ def _one_token(token) -> list[int]:
 def _check_supported(config: ModelConfig, indexer_rotation: bool) -> None:
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-    if config.main_kv_format != "nvfp4":
-        raise ValueError(f"config {config.name!r}: main_kv_format {config.main_kv_format!r} is "
-                         f"only for byte accounting; the model stores NVFP4 main KV")
-    if config.dense_compress_ratios:
-        raise ValueError(f"config {config.name!r}: dense_compress_ratios (V4's HCA layers) are "
-                         f"not part of the V4.1 model")
     if config.rope_head_dim >= config.index_head_dim:
         raise ValueError(f"config {config.name!r}: rope_head_dim={config.rope_head_dim} must be "
                          f"smaller than index_head_dim={config.index_head_dim} (indexer RoPE)")

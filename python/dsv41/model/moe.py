@@ -7,7 +7,9 @@ routed_scaling_factor. Experts are SwiGLU MLPs w2(silu(min(w1 x, L)) * clamp(w3 
 with L = swiglu_limit. The shared expert (n_shared_experts of them fused into one MLP of
 n_shared * moe_intermediate_size) sees every token.
 
-V4's hash-routed first layers are not modelled: every layer uses the learned gate.
+Hash layers (V4's first num_hash_layers layers): the experts are a frozen function of the
+token id, `tid2eid[token]` (int64 [vocab, k], in that order); the scores still weight
+them (normalized, scaled); there is no bias.
 """
 from __future__ import annotations
 
@@ -18,24 +20,36 @@ from torch import nn
 from ..config import ModelConfig
 from .layers import Linear, as_f64
 
-__all__ = ["Gate", "Expert", "MoE"]
+__all__ = ["Expert", "Gate", "MoE"]
 
 
 class Gate(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, *, hashed: bool = False):
         super().__init__()
         c = config
         self.topk, self.route_scale = c.num_experts_per_tok, c.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size),
                                    requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(c.n_routed_experts), requires_grad=False)
+        if hashed:
+            self.register_buffer("tid2eid", torch.empty(c.vocab_size, self.topk,
+                                                        dtype=torch.int64))
+        else:
+            self.bias = nn.Parameter(torch.empty(c.n_routed_experts), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] f32 -> expert ids [T, k] int64 (best first), weights [T, k] f64."""
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] f32 (tokens [T]: the ids, for hash layers) -> expert ids [T, k]
+        int64 (best first; table order for hash layers), weights [T, k] f64."""
         logits = torch.matmul(x.double(), as_f64(self.weight).T).float().double()
         scores = torch.sqrt(F.softplus(logits))
-        order = torch.sort(scores + as_f64(self.bias), dim=-1, descending=True, stable=True)
-        ids = order.indices[:, :self.topk]
+        if hasattr(self, "tid2eid"):
+            if tokens is None:
+                raise ValueError("a hash-routed MoE layer needs the token ids")
+            ids = self.tid2eid.index_select(0, tokens.to(self.tid2eid.device))
+        else:
+            order = torch.sort(scores + as_f64(self.bias), dim=-1, descending=True,
+                               stable=True)
+            ids = order.indices[:, :self.topk]
         weights = scores.gather(1, ids)
         weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
         return ids, weights
@@ -61,10 +75,10 @@ class Expert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         c = config
-        self.gate = Gate(c)
+        self.gate = Gate(c, hashed=c.hash_layer(layer))
         self.experts = nn.ModuleList(
             Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit)
             for _ in range(c.n_routed_experts))
@@ -73,8 +87,8 @@ class MoE(nn.Module):
                                          c.n_shared_experts * c.moe_intermediate_size,
                                          c.swiglu_limit)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        ids, weights = self.gate(x, tokens)
         x64 = x.double()
         T, k = ids.shape
         routed = torch.zeros(T, k, x.shape[1], dtype=torch.float64, device=x.device)

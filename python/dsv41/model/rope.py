@@ -46,7 +46,7 @@ class Rope:
     freqs: torch.Tensor  # float64 [dim/2]
 
     @classmethod
-    def for_layer(cls, config: ModelConfig, compress_ratio: int) -> "Rope":
+    def for_layer(cls, config: ModelConfig, compress_ratio: int) -> Rope:
         if compress_ratio:
             freqs = yarn_frequencies(config.rope_head_dim, config.compress_rope_theta,
                                      config.rope_scaling)

@@ -12,8 +12,16 @@
     tokens' SWA KV in FP8 E4M3 [W, D] + UE8M0 scales [W, D/32]; position p lives in slot
     p % W;
   - `pending[layer]`: the partial-block compressor state of each compressing KV source
-    with ratio > 1: the kv and score projections (float32 [p, D] each) of the p = position
-    % ratio tokens of the unfinished block.
+    with ratio > 1: the kv and score projections (float32 [p, D] each; [p, 2D] with
+    overlapping windows) of the p = position % ratio tokens of the unfinished block;
+  - `extra`: V4's further compressor state, keyed by name: "overlap.<layer>" (the first
+    half of the last complete block's kv and score, [ratio, D] each, for overlapping
+    windows), "index.<layer>" and "overlap.index.<layer>" (the same for the indexer's own
+    compressor, at index_head_dim).
+
+The formats of main_kv, index_keys and the SWA rings are the model's KV codec's
+(`kv_codec.py`): the stored formats above, V4's FP8 entry, or float32 in the reference
+mode (kv_dtype="float32").
 
 `nbytes()` counts what is stored (valid rows, not the spare capacity of the growable
 buffers) and equals `kv_budget(config).bytes_for(position)` ledger by ledger.
@@ -34,8 +42,8 @@ import torch
 from .. import formats
 from ..budget import kv_budget
 from ..config import ModelConfig
-from ..formats.layout import FP8_SWA, MXFP4, NVFP4
 from ..ops import cache_ops
+from .kv_codec import codec_for
 
 __all__ = ["RowStore", "SequenceState", "SwaSnapshot", "state_bytes_equal", "state_diff"]
 
@@ -113,13 +121,13 @@ class RowStore:
             raise ValueError(f"truncate: n={n} outside [0, {self.n}]")
         self.n = self._end = n
 
-    def clone(self) -> "RowStore":
+    def clone(self) -> RowStore:
         out = RowStore.__new__(RowStore)
         out.codes, out.scales = self.codes[:self.n].clone(), self.scales[:self.n].clone()
         out.n = out._end = self.n
         return out
 
-    def equal(self, other: "RowStore") -> bool:
+    def equal(self, other: RowStore) -> bool:
         a, b = self.committed(), other.committed()
         return self.n == other.n and all(
             torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
@@ -138,11 +146,13 @@ class SwaSnapshot:
     swa_scales: dict[int, torch.Tensor]
     pending: dict[int, tuple[torch.Tensor, torch.Tensor]]
     tail: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    extra: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         n = sum(t.numel() * t.element_size() for d in (self.swa_values, self.swa_scales)
                 for t in d.values())
-        n += sum(t.numel() * t.element_size() for kv in self.pending.values() for t in kv)
+        n += sum(t.numel() * t.element_size()
+                 for kv in (*self.pending.values(), *self.extra.values()) for t in kv)
         n += sum(t.numel() * t.element_size() for d in self.tail.values() for p in d.values()
                  for t in p)
         return n
@@ -161,26 +171,43 @@ class SequenceState:
         self.tokens: list[int] = []
         self.position = 0
         c = config
+        self.codec = codec_for(c, self.options.get("kv_dtype", "stored"))
         D, Di, W = c.head_dim, c.index_head_dim, c.sliding_window
+        main, swa, index = self.codec.main_spec(), self.codec.swa_spec(), self.codec.index_spec()
         self.main_kv: dict[int, RowStore] = {}
         self.index_keys: dict[int, RowStore] = {}
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.extra: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.swa_values: dict[int, torch.Tensor] = {}
         self.swa_scales: dict[int, torch.Tensor] = {}
+
+        def empty(cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+            e = torch.zeros(0, cols, dtype=torch.float32, device=device)
+            return e, e.clone()
+
         for p in c.layer_plan():
+            width = 2 if p.overlap else 1
             if p.owns_kv:
-                self.main_kv[p.layer] = RowStore(NVFP4.code_cols(D), NVFP4.code_dtype,
-                                                 NVFP4.scale_cols(D), NVFP4.scale_dtype, device)
+                self.main_kv[p.layer] = RowStore(*main, device=device)
                 if p.compress_ratio > 1:
-                    empty = torch.zeros(0, D, dtype=torch.float32, device=device)
-                    self.pending[p.layer] = (empty, empty.clone())
+                    self.pending[p.layer] = empty(width * D)
+                if p.overlap:
+                    self.extra[f"overlap.{p.layer}"] = empty(D)
             if p.owns_indexer_keys:
-                self.index_keys[p.layer] = RowStore(MXFP4.code_cols(Di), MXFP4.code_dtype,
-                                                    MXFP4.scale_cols(Di), MXFP4.scale_dtype, device)
-            self.swa_values[p.layer] = torch.zeros(W, FP8_SWA.code_cols(D), dtype=FP8_SWA.code_dtype,
+                self.index_keys[p.layer] = RowStore(*index, device=device)
+                if c.indexer_compressor:
+                    self.extra[f"index.{p.layer}"] = empty(width * Di)
+                    if p.overlap:
+                        self.extra[f"overlap.index.{p.layer}"] = empty(Di)
+            self.swa_values[p.layer] = torch.zeros(W, swa.code_cols, dtype=swa.code_dtype,
                                                    device=device)
-            self.swa_scales[p.layer] = torch.zeros(W, FP8_SWA.scale_cols(D), dtype=FP8_SWA.scale_dtype,
+            self.swa_scales[p.layer] = torch.zeros(W, swa.scale_cols, dtype=swa.scale_dtype,
                                                    device=device)
+
+    def comp_state(self, key: int | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A compressor's partial-block (or overlap) state: `pending[key]` for an int
+        key (the main compressor of that layer), `extra[key]` otherwise."""
+        return self.pending[key] if isinstance(key, int) else self.extra[key]
 
     # ---- views ----------------------------------------------------------------------
 
@@ -208,7 +235,8 @@ class SequenceState:
         rows = min(self.position, self.config.sliding_window)
         swa = sum(rows * (v.shape[1] * v.element_size() + s.shape[1] * s.element_size())
                   for v, s in zip(self.swa_values.values(), self.swa_scales.values()))
-        state = sum(t.numel() * t.element_size() for kv in self.pending.values() for t in kv)
+        state = sum(t.numel() * t.element_size()
+                    for kv in (*self.pending.values(), *self.extra.values()) for t in kv)
         return {"main": main, "indexer": indexer, "global": main + indexer, "swa": swa,
                 "compressor_state": state}
 
@@ -223,7 +251,7 @@ class SequenceState:
 
     # ---- copies ---------------------------------------------------------------------
 
-    def clone(self) -> "SequenceState":
+    def clone(self) -> SequenceState:
         out = SequenceState.__new__(SequenceState)
         out.config, out.config_fingerprint = self.config, self.config_fingerprint
         out.options, out.device = dict(self.options), self.device
@@ -231,6 +259,8 @@ class SequenceState:
         out.main_kv = {k: v.clone() for k, v in self.main_kv.items()}
         out.index_keys = {k: v.clone() for k, v in self.index_keys.items()}
         out.pending = {k: (a.clone(), b.clone()) for k, (a, b) in self.pending.items()}
+        out.extra = {k: (a.clone(), b.clone()) for k, (a, b) in self.extra.items()}
+        out.codec = self.codec
         out.swa_values = {k: v.clone() for k, v in self.swa_values.items()}
         out.swa_scales = {k: v.clone() for k, v in self.swa_scales.items()}
         return out
@@ -321,7 +351,8 @@ class SequenceState:
             swa_values={k: v.clone() for k, v in self.swa_values.items()},
             swa_scales={k: v.clone() for k, v in self.swa_scales.items()},
             pending={k: (a.clone(), b.clone()) for k, (a, b) in self.pending.items()},
-            tail=tail)
+            tail=tail,
+            extra={k: (a.clone(), b.clone()) for k, (a, b) in self.extra.items()})
 
     def restore_swa(self, snap: SwaSnapshot) -> None:
         """Restore a snapshot on a state whose global KV covers tokens [0, aligned_to)."""
@@ -340,6 +371,7 @@ class SequenceState:
         self.swa_values = {k: v.clone() for k, v in snap.swa_values.items()}
         self.swa_scales = {k: v.clone() for k, v in snap.swa_scales.items()}
         self.pending = {k: (a.clone(), b.clone()) for k, (a, b) in snap.pending.items()}
+        self.extra.update({k: (a.clone(), b.clone()) for k, (a, b) in snap.extra.items()})
 
     def __repr__(self) -> str:
         b = self.nbytes()
@@ -374,6 +406,11 @@ def state_diff(a: SequenceState, b: SequenceState) -> list[str]:
             x, y = a.pending[layer][i], b.pending[layer][i]
             if x.shape != y.shape or not torch.equal(_bits(x), _bits(y)):
                 out.append(f"pending[{layer}].{what}")
+    for key in a.extra:
+        for i, what in enumerate(("kv", "score")):
+            x, y = a.extra[key][i], b.extra[key][i]
+            if x.shape != y.shape or not torch.equal(_bits(x), _bits(y)):
+                out.append(f"extra[{key}].{what}")
     return out
 
 

@@ -1,0 +1,125 @@
+"""dsv41 against transformers 5.23.0's DeepseekV4ForCausalLM at equal shapes: one prefill
+forward (fp32 on the CPU) of the same random V4 model (saved by transformers, loaded by
+dsv41) over the same tokens, both in this process one after the other, so the ratio is
+meaningful on a shared machine. dsv41 runs in its stored-format mode (the runtime) and in
+the float32 reference mode; transformers' forward uses its DynamicCache (what generate's
+prefill runs).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=python python bench/bench_vs_transformers.py \\
+        --lengths 256 1024 4096 --json bench/results/vs-transformers-cpu-DATE.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+from dsv41 import Model  # noqa: E402
+
+
+def hf_model(seed: int):
+    import transformers
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    n = 8
+    cfg = DeepseekV4Config(
+        vocab_size=1024, hidden_size=256, num_hidden_layers=n, num_attention_heads=8,
+        head_dim=128, partial_rotary_factor=0.5, q_lora_rank=128, o_groups=4, o_lora_rank=128,
+        moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+        index_n_heads=4, index_head_dim=128, index_topk=128, sliding_window=128,
+        max_position_embeddings=65536,
+        layer_types=["sliding_attention"] * 2 + ["compressed_sparse_attention",
+                                                  "heavily_compressed_attention"] * 3,
+        mlp_layer_types=["hash_moe"] + ["moe"] * (n - 1),
+        rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 16384, "beta_fast": 32,
+                         "beta_slow": 1})
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "position_bias" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+            elif name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.rand(b.shape[0], cfg.n_routed_experts, generator=g)
+                        .argsort(-1)[:, :b.shape[1]])
+    return transformers, model
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", nargs="+", type=int, default=[256, 1024, 4096])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    transformers, hf = hf_model(args.seed)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = {"stored": Model.from_pretrained(d), "float32": Model.from_pretrained(
+            d, kv_dtype="float32")}
+    g = torch.Generator().manual_seed(args.seed + 1)
+    warm = torch.randint(0, 1024, (16,), generator=g)
+    with torch.no_grad():
+        hf(input_ids=warm[None], past_key_values=transformers.DynamicCache(config=hf.config))
+    for m in ours.values():
+        m.prefill(warm, m.new_state())
+    rows = []
+    for n in args.lengths:
+        ids = torch.randint(0, 1024, (n,), generator=g)
+        row = {"tokens": n, "load_average_1m_before": os.getloadavg()[0]}
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            want = hf(input_ids=ids[None], use_cache=True,
+                      past_key_values=transformers.DynamicCache(config=hf.config)).logits[0, -1]
+        row["transformers_s"] = time.perf_counter() - t0
+        for mode, m in ours.items():
+            t0 = time.perf_counter()
+            got = m.prefill(ids, m.new_state())
+            row[f"dsv41_{mode}_s"] = time.perf_counter() - t0
+            row[f"dsv41_{mode}_vs_transformers_speed"] = row["transformers_s"] / row[f"dsv41_{mode}_s"]
+            row[f"dsv41_{mode}_last_logits_max_abs_diff"] = (want - got).abs().max().item()
+        for k in ("transformers", "dsv41_stored", "dsv41_float32"):
+            row[f"{k}_tokens_per_s"] = n / row[f"{k}_s"]
+        rows.append(row)
+        print(f"{n:>6} tokens: transformers {row['transformers_tokens_per_s']:8.1f} tok/s, dsv41 "
+              f"stored {row['dsv41_stored_tokens_per_s']:8.1f} tok/s "
+              f"({row['dsv41_stored_vs_transformers_speed']:.2f}x), float32 "
+              f"{row['dsv41_float32_tokens_per_s']:8.1f} tok/s "
+              f"({row['dsv41_float32_vs_transformers_speed']:.2f}x); last-token logits "
+              f"float32 diff {row['dsv41_float32_last_logits_max_abs_diff']:.1e}", flush=True)
+    out = {"benchmark": "vs_transformers", "date": datetime.date.today().isoformat(),
+           "commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "machine": platform.platform(), "torch_threads": torch.get_num_threads(),
+           "transformers_version": transformers.__version__, "model": hf.config.to_dict(),
+           "results": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
