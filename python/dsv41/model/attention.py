@@ -32,6 +32,7 @@ from .compressor import Compressor
 from .context import ForwardContext, swa_index
 from .indexer import Indexer
 from .kv_codec import KVCodec
+from . import production
 from .layers import Linear, RMSNorm, as_f64, rms_normalize
 from .rope import Rope
 
@@ -86,6 +87,12 @@ class Attention(nn.Module):
         own [o_lora_rank, heads/group * D] block of wo_a, then wo_b. o [T,H,D] -> [T,hidden]."""
         c = self.config
         G, R = c.o_groups, c.o_lora_rank
+        if production.is_production(self):   # group by group: one weight tile each
+            grouped = o.to(torch.bfloat16).reshape(o.shape[0], G, -1)
+            mid = torch.stack([
+                grouped[:, g] @ production.dequantize_rows(self.wo_a, g * R, (g + 1) * R).T
+                for g in range(G)], 1)                                   # [T, G, R]
+            return self.wo_b(mid.reshape(o.shape[0], G * R))
         grouped = o.double().reshape(o.shape[0], G, -1).transpose(0, 1)  # [G, T, H*D/G]
         wa = as_f64(self.wo_a.weight).view(G, R, -1)                     # [G, R, H*D/G]
         mid = torch.bmm(grouped, wa.transpose(1, 2)).transpose(0, 1)     # [T, G, R]

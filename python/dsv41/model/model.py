@@ -39,6 +39,7 @@ from .context import ForwardContext, Segment
 from .kv_codec import KV_DTYPES, codec_for
 from .layers import Embedding, Linear, RMSNorm
 from .mhc import HyperConnection, add_site, hc_head
+from . import production
 from .moe import MoE
 from .state import SequenceState
 
@@ -123,14 +124,22 @@ class Model(nn.Module):
     not saved: choose it at load time).
     Runtime switch: `dense_attention = True` makes every compressing layer attend to all of
     its visible global entries instead of the top-k (the benchmark's dense baseline).
+    precision - "reference" (default: float32 weights, float64 math, batch invariant,
+    bit-exact chunking) or "bf16" (the production path, production.py: weights as the
+    checkpoint ships them, bf16 GEMMs, grouped MoE). Not part of the state's identity:
+    both read and write the same stored KV formats. `to_production()` switches in place.
     """
 
     def __init__(self, config: ModelConfig, *, indexer_rotation: bool = True,
-                 kv_dtype: str = "stored"):
+                 kv_dtype: str = "stored", precision: str = "reference"):
         super().__init__()
         _check_supported(config, indexer_rotation)
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if precision not in production.PRECISIONS:
+            raise ValueError(f"precision must be one of {production.PRECISIONS}, "
+                             f"got {precision!r}")
+        self.precision = "reference"
         self.config = config
         self.options = {"indexer_rotation": bool(indexer_rotation)}
         if kv_dtype != "stored":
@@ -148,6 +157,14 @@ class Model(nn.Module):
         self._decoder_full = next(
             (p.layer for p in config.layer_plan()
              if p.part == PART_DECODER and p.mode == MODE_FULL), None)
+        if precision != "reference":
+            self.to_production()
+
+    def to_production(self, *, fp8: bool = False) -> Model:
+        """Switch to the bf16 production path in place (production.to_production): float32
+        weights become bf16 (fp8=True: FP8 E4M3 with 128x128 block scales)."""
+        production.to_production(self, fp8=fp8)
+        return self
 
     # ---- construction -----------------------------------------------------------------
 
@@ -172,12 +189,13 @@ class Model(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu",
-                        kv_dtype: str = "stored") -> Model:
+                        kv_dtype: str = "stored", precision: str = "reference") -> Model:
         """Load dsv41's own checkpoints, directories written by transformers'
         DeepseekV4ForCausalLM.save_pretrained, and DeepSeek's naming with FP8/FP4 weights
         (docs/model.md, "Checkpoints")."""
         from .checkpoint import load_pretrained
-        return load_pretrained(cls, directory, device=device, kv_dtype=kv_dtype)
+        return load_pretrained(cls, directory, device=device, kv_dtype=kv_dtype,
+                               precision=precision)
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, device=self.device, options=self.options)
@@ -398,7 +416,8 @@ class Model(nn.Module):
                 ctx.record(block.layer, hidden=h)
             if self.config.hc_mult > 1:
                 h = hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
-                            self.config.hc_eps, self.config.rms_norm_eps)
+                            self.config.hc_eps, self.config.rms_norm_eps,
+                            fp32=production.is_production(self))
             out_segs = ctx.segments
             rows = torch.cat([
                 torch.arange(s.rows.start, s.rows.stop) if want
@@ -420,7 +439,8 @@ class Model(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"config={self.config.name!r}, options={self.options}"
+        return (f"config={self.config.name!r}, options={self.options}, "
+                f"precision={self.precision!r}")
 
 
 def _one_token(token) -> list[int]:
