@@ -13,7 +13,6 @@ from unittest import mock
 
 import pytest
 import torch
-
 from dsv41 import Model
 from dsv41.config import ModelConfig
 from dsv41.model import production
@@ -160,7 +159,7 @@ def _small_float32(model) -> int:
 
 
 def test_weights_at_rest_bf16(models):
-    c, ref, prod = models
+    c, _, prod = models
     held = _held_bytes(prod)
     assert "float64" not in held
     linear_elems = sum(m.weight.numel() for m in prod.modules() if isinstance(m, Linear))
@@ -212,3 +211,56 @@ def test_tiles_cover_a_weight(monkeypatch):
 def test_bad_precision():
     with pytest.raises(ValueError, match="precision"):
         Model(ModelConfig.preset("v41-tiny"), precision="fp16")
+
+
+def test_loader_keeps_fp8_and_fp4(tmp_path):
+    """A DeepSeek-style checkpoint (FP8 dense weights with 64x64 block scales, packed FP4
+    experts with UE8M0 scales) loads with its bytes kept; every weight tile the production
+    path dequantizes equals the reference loader's float32 weight rounded to bf16."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    c = ModelConfig.preset("v4-tiny")
+    Model.synthetic(c, seed=0).save_pretrained(tmp_path)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    for f in files:
+        tensors = load_file(str(f))
+        for name in [n for n in tensors if n.endswith(".weight") and tensors[n].dim() == 2]:
+            base = name.removesuffix(".weight")
+            if base in ("embed", "head") or base.endswith(".gate"):
+                continue
+            w = tensors[name]
+            if ".experts." in name:
+                tensors[name] = torch.randint(-128, 128, (w.shape[0], w.shape[1] // 2),
+                                              generator=g, dtype=torch.int8)
+                tensors[f"{base}.scale"] = torch.randint(
+                    118, 124, (w.shape[0], w.shape[1] // 32), generator=g, dtype=torch.uint8)
+            else:
+                tensors[name], tensors[f"{base}.scale"] = production.quantize_fp8(w, (64, 64))
+            index["weight_map"][f"{base}.scale"] = f.name
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [64, 64],
+                                  "expert_dtype": "fp4"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ref = Model.from_pretrained(tmp_path)
+    prod = Model.from_pretrained(tmp_path, precision="bf16")
+    held = _held_bytes(prod)
+    assert "float64" not in held and held["float8_e4m3fn"] > 0 and held["int8"] > 0
+    ref_params = dict(ref.named_parameters())
+    n = 0
+    for name, lin in prod.named_modules():
+        if isinstance(lin, Linear) and lin.weight.dtype != torch.bfloat16:
+            full = production.dequantize_rows(lin, 0, lin.out_features)
+            assert torch.equal(full, ref_params[f"{name}.weight"].to(torch.bfloat16)), name
+            n += 1
+    assert n > 10
+    toks = _tokens(c, 96)
+    want = ref.prefill(toks, ref.new_state(), return_all_logits=True)
+    got = prod.prefill(toks, prod.new_state(), return_all_logits=True)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+    with pytest.raises(ValueError, match="production weights"):
+        prod.save_pretrained(tmp_path / "again")

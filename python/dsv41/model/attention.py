@@ -28,11 +28,11 @@ from torch import nn
 
 from .. import ops
 from ..config import LayerPlan, ModelConfig
+from . import production
 from .compressor import Compressor
 from .context import ForwardContext, swa_index
 from .indexer import Indexer
 from .kv_codec import KVCodec
-from . import production
 from .layers import Linear, RMSNorm, as_f64, rms_normalize
 from .rope import Rope
 

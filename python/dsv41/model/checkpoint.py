@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
+from .production import place_quantized, take_quantized
 from .weights import (
     WeightError,
     dequantize_all,
@@ -96,7 +97,7 @@ def _weight_map(directory: Path) -> dict[str, str]:
 
 
 def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu",
-                    kv_dtype: str = "stored"):
+                    kv_dtype: str = "stored", precision: str = "reference"):
     directory = Path(directory)
     if not (directory / CONFIG_NAME).exists():
         raise CheckpointError(f"{directory}: no {CONFIG_NAME}")
@@ -105,7 +106,7 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
     options = dict(raw.get("dsv41", {}).get("model_options", {}))
     options.pop("kv_dtype", None)
     with torch.device("meta"):
-        model = cls(config, **options, kv_dtype=kv_dtype)
+        model = cls(config, **options, kv_dtype=kv_dtype, precision=precision)
     expected = dict(model.state_dict())
     weight_map = {k: v for k, v in _weight_map(directory).items() if not k.startswith("mtp.")}
     files: dict[str, list[str]] = {}
@@ -129,10 +130,12 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
             tensors = from_transformers(tensors)
         quant = raw.get("quantization_config") or raw.get("text_config", {}).get(
             "quantization_config")
+        # The production path keeps FP8/FP4 weights as shipped (production.py).
+        kept = take_quantized(tensors, quant) if precision != "reference" else {}
         tensors = dequantize_all(tensors, quant)
     except WeightError as exc:
         raise CheckpointError(f"{directory}: {exc}") from None
-    missing = set(expected) - set(tensors)
+    missing = set(expected) - set(tensors) - {f"{name}.weight" for name in kept}
     extra = set(tensors) - set(expected)
     if missing or extra:
         parts = []
@@ -143,6 +146,7 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
         raise CheckpointError(f"{directory}: checkpoint does not match config "
                               f"{config.name!r}: " + "; ".join(parts))
     model = model.to_empty(device=device)
+    place_quantized(model, kept, device)
     params = model.state_dict()
     with torch.no_grad():
         for name, t in tensors.items():

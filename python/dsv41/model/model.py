@@ -34,12 +34,12 @@ import torch
 from torch import nn
 
 from ..config import MODE_FULL, PART_DECODER, ModelConfig
+from . import production
 from .attention import Attention
 from .context import ForwardContext, Segment
 from .kv_codec import KV_DTYPES, codec_for
 from .layers import Embedding, Linear, RMSNorm
 from .mhc import HyperConnection, add_site, hc_head
-from . import production
 from .moe import MoE
 from .state import SequenceState
 
@@ -184,6 +184,9 @@ class Model(nn.Module):
         return self
 
     def save_pretrained(self, directory: str | Path, *, max_shard_bytes: int = 2 << 30) -> None:
+        if self.precision != "reference":
+            raise ValueError("save_pretrained: this model holds production weights (bf16/FP8/"
+                             "FP4); save the reference-precision model they came from")
         from .checkpoint import save_pretrained
         save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
 

@@ -183,6 +183,56 @@ def set_weight(lin: nn.Module, weight: torch.Tensor, scale: torch.Tensor | None 
         lin.weight_block = tuple(block)
 
 
+def take_quantized(tensors: dict[str, torch.Tensor], quant) -> dict[str, tuple]:
+    """Remove the FP8 / packed-FP4 `X.weight` (+ `X.scale` / `X.weight_scale_inv`) pairs
+    from a checkpoint's tensors: {X: (weight, scale, block)} for `place_quantized`. The
+    layouts and their checks are the loader's (weights.py)."""
+    from .weights import DEFAULT_FP8_BLOCK, WeightError
+    quant = dict(quant or {})
+    block = tuple(quant.get("weight_block_size") or DEFAULT_FP8_BLOCK)
+    out = {}
+    for name in [n for n in tensors if n.endswith(".weight")]:
+        base = name.removesuffix(".weight")
+        scale_name = next((s for s in (f"{base}.scale", f"{base}.weight_scale_inv")
+                           if s in tensors), None)
+        t = tensors[name]
+        if t.dtype == torch.float8_e4m3fn and scale_name is not None:
+            b0, b1 = block
+            want = (math.ceil(t.shape[0] / b0), math.ceil(t.shape[1] / b1))
+            if tuple(tensors[scale_name].shape) != want:
+                raise WeightError(f"tensor {name!r}: FP8 weight {tuple(t.shape)} with block "
+                                  f"{block} needs scales of shape {want}, got "
+                                  f"{tuple(tensors[scale_name].shape)}")
+            out[base] = (t, tensors[scale_name], block)
+        elif (t.dtype in (torch.int8, torch.uint8) and scale_name is not None
+              and str(quant.get("expert_dtype", "")).lower() == "fp4"):
+            want = (t.shape[0], 2 * t.shape[1] // FP4_BLOCK)
+            if tuple(tensors[scale_name].shape) != want:
+                raise WeightError(f"tensor {name!r}: FP4 weight {tuple(t.shape)} (packed) "
+                                  f"needs scales of shape {want}, got "
+                                  f"{tuple(tensors[scale_name].shape)}")
+            out[base] = (t, tensors[scale_name], None)
+        else:
+            continue
+        del tensors[name], tensors[scale_name]
+    return out
+
+
+def place_quantized(model: nn.Module, kept: dict[str, tuple], device) -> None:
+    """Store `take_quantized`'s weights on their Linears (shapes checked)."""
+    from .layers import Linear
+    from .weights import WeightError
+    for base, (w, scale, block) in kept.items():
+        lin = model.get_submodule(base)
+        if not isinstance(lin, Linear):
+            raise WeightError(f"tensor {base}.weight: quantized, but {base} is not a Linear")
+        in_dim = w.shape[1] * (2 if block is None else 1)
+        if (w.shape[0], in_dim) != (lin.out_features, lin.in_features):
+            raise WeightError(f"tensor {base}.weight: holds a [{w.shape[0]}, {in_dim}] "
+                              f"weight, expected [{lin.out_features}, {lin.in_features}]")
+        set_weight(lin, w.to(device), scale.to(device), block)
+
+
 def to_production(model: nn.Module, *, fp8: bool = False,
                   block: tuple[int, int] = (128, 128)) -> nn.Module:
     """Switch `model` to the production path in place. Float32 Linear weights become bf16
