@@ -5,7 +5,6 @@ import json
 import math
 
 import pytest
-
 from dsv41.cli import main
 from dsv41.config import ModelConfig
 from dsv41.gpu_plan import StoredFormat, memory_plan, weight_bytes
