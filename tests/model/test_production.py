@@ -264,3 +264,23 @@ def test_loader_keeps_fp8_and_fp4(tmp_path):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
     with pytest.raises(ValueError, match="production weights"):
         prod.save_pretrained(tmp_path / "again")
+
+
+@pytest.mark.parametrize("T,ring", [(300, 0), (70, 128)])
+def test_attend_float32_matches_reference(T, ring):
+    """production.attend (chunked, float32) against attention.attend (float64), including
+    invalid slots, a ring of earlier rows, and rows with no global entries."""
+    from dsv41.model.attention import attend
+    from dsv41.model.context import swa_index
+    g = torch.Generator().manual_seed(0)
+    H, D, W, Ng, K = 4, 32, 128, 40, 8
+    q = torch.randn(T, H, D, generator=g)
+    swa = torch.randn(W + T, D, generator=g)
+    sidx = swa_index(ring, T, W, 0)
+    kv = torch.randn(Ng, D, generator=g)
+    kidx = torch.randint(0, Ng, (T, K), generator=g, dtype=torch.int32)
+    kidx[::3, K // 2:] = -1
+    sink = torch.randn(H, generator=g)
+    want = attend(q, swa, sidx, kv, kidx, sink, D ** -0.5)
+    got = production.attend(q, swa, sidx, kv, kidx, sink, D ** -0.5)
+    assert (got - want).abs().max() < 1e-5

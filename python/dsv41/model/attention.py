@@ -183,8 +183,9 @@ class Attention(nn.Module):
             else:
                 kv = (torch.zeros(0, c.head_dim, device=x.device) if kv_codes is None
                       else self.codec.decode_main(kv_codes, kv_scales))
-                out = attend(q[rows], self.codec.decode_swa(buf_values, buf_scales), sidx, kv,
-                             kidx, sink, self.softmax_scale)
+                attend_fn = production.attend if production.is_production(self) else attend
+                out = attend_fn(q[rows], self.codec.decode_swa(buf_values, buf_scales), sidx,
+                                kv, kidx, sink, self.softmax_scale)
             outs.append(out)
             ctx.record(self.layer, q=q[rows], swa_idx=sidx, kv_idx=kidx, attn=out)
         o = self.rope.rotate(torch.cat(outs), pos, inverse=True)

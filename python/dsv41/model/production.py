@@ -27,13 +27,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PRECISIONS", "TILE_BYTES", "is_production", "linear", "moe_forward",
+__all__ = ["PRECISIONS", "TILE_BYTES", "default_precision", "is_production", "linear", "moe_forward",
            "quantize_fp8", "rms_norm", "to_production", "weight_bytes"]
 
 PRECISIONS = ("reference", "bf16")
 TILE_BYTES = 4 << 20        # dequantized bf16 bytes per tile of a quantized weight
 FP4_BLOCK = 32
 _FLAG = "_dsv41_production"
+
+
+def default_precision(device: str | torch.device) -> str:
+    """What the engine and demo run: the production path on CUDA; the float64 reference on
+    the CPU, where the engine's exact replay relies on its batch invariance (bf16 GEMMs are
+    not batch invariant) - see docs/model.md, "Precision"."""
+    return "bf16" if torch.device(device).type == "cuda" else "reference"
 
 
 def is_production(module: nn.Module) -> bool:
@@ -78,9 +85,23 @@ def _tile_rows(lin: nn.Module) -> int:
     return max(block, rows // block * block)
 
 
+def _bucket(rows: int) -> int:
+    """Row counts the GEMMs run at: a few sizes, so oneDNN's per-shape kernels (about 1 ms
+    to create each, cached afterwards) are reused across expert groups and calls."""
+    if rows <= 8:
+        return rows
+    if rows <= 256:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // 256) * 256
+
+
 def linear(x: torch.Tensor, lin: nn.Module) -> torch.Tensor:
     """x [.., in] -> x W^T [.., out] in bf16, W as `lin` stores it."""
     xb = x.to(torch.bfloat16)
+    if xb.dim() == 2 and xb.device.type == "cpu" and _bucket(xb.shape[0]) != xb.shape[0]:
+        padded = xb.new_zeros(_bucket(xb.shape[0]), xb.shape[1])
+        padded[:xb.shape[0]] = xb
+        return linear(padded, lin)[:xb.shape[0]]
     w = lin.weight
     if w.dtype == torch.bfloat16:
         return F.linear(xb, w)
@@ -99,6 +120,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """float32 RMSNorm (float32 out)."""
     x32 = x.float()
     return x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight.float()
+
+
+# ---- attention ---------------------------------------------------------------------------
+
+ATTEND_CHUNK = 128   # queries per step: bounds the score and probability tiles
+
+
+def attend(q: torch.Tensor, swa: torch.Tensor, swa_idx: torch.Tensor, kv: torch.Tensor,
+           kv_idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """attention.attend (same arguments, same softmax with sink) in float32, chunked over
+    queries. The SWA rows a chunk reaches lie in a short range of `swa` (the ring plus the
+    chunk and its window), so their scores are one dense product over that range, gathered
+    per query, and the probabilities are scattered back for one product with the values;
+    only the selected global rows are gathered."""
+    T, H, D = q.shape
+    out = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
+    swa, kv, sink = swa.float(), kv.float(), sink.float()
+    if kv.shape[0] == 0:
+        kv_idx = kv_idx[:, :0]
+    for t0 in range(0, T, ATTEND_CHUNK):
+        t1 = min(T, t0 + ATTEND_CHUNK)
+        qc, si, ki = q[t0:t1].float(), swa_idx[t0:t1].long(), kv_idx[t0:t1].long()
+        valid_s = si >= 0
+        lo = int(si[valid_s].min()) if valid_s.any() else 0
+        hi = int(si.max()) + 1 if valid_s.any() else 1
+        rows = swa[lo:hi]                                                # [R, D]
+        local = (si - lo).clamp(min=0)                                   # [c, W]
+        dense = torch.einsum("thd,rd->thr", qc, rows) * scale            # [c, H, R]
+        s_swa = dense.gather(2, local[:, None, :].expand(-1, H, -1))     # [c, H, W]
+        keys = kv[ki.clamp(min=0)]                                       # [c, K, D]
+        s_kv = torch.einsum("thd,tkd->thk", qc, keys) * scale
+        scores = torch.cat((s_swa, s_kv), 2)
+        valid = torch.cat((valid_s, ki >= 0), 1)
+        scores = scores.masked_fill(~valid[:, None, :], -math.inf)
+        sk = sink[None, :].expand(t1 - t0, -1)
+        m = torch.maximum(scores.amax(-1), sk)
+        p = torch.exp(scores - m[..., None])
+        denom = p.sum(-1) + torch.exp(sk - m)
+        W = si.shape[1]
+        p_dense = torch.zeros_like(dense).scatter_add_(2, local[:, None, :].expand(-1, H, -1),
+                                                       p[..., :W])
+        o = torch.einsum("thr,rd->thd", p_dense, rows)
+        o += torch.einsum("thk,tkd->thd", p[..., W:], keys)
+        out[t0:t1] = o / denom[..., None]
+    return out
 
 
 # ---- MoE ---------------------------------------------------------------------------------
