@@ -141,11 +141,12 @@ def format_plan(p: MemoryPlan) -> str:
     gb = 1e9
     f = p.stored_format
     lines = [
-        f"{p.name} on {p.gpus} GPU(s) of {p.gpu_memory_bytes / gb:.0f} GB "
-        f"(reserve {p.reserve_bytes / gb:.0f} GB each for activations/workspace)",
-        f"  weights as stored (dense {f['dense']}, experts {f['experts']}): "
-        f"{p.weight_bytes_total / gb:.2f} GB total = experts {p.weight_bytes['experts'] / gb:.2f}"
-        f" + dense {p.weight_bytes['dense'] / gb:.2f} + other {p.weight_bytes['other'] / gb:.2f}",
+        (f"{p.name} on {p.gpus} GPU(s) of {p.gpu_memory_bytes / gb:.0f} GB "
+         f"(reserve {p.reserve_bytes / gb:.0f} GB each for activations/workspace)"),
+        (f"  weights as stored (dense {f['dense']}, experts {f['experts']}): "
+         f"{p.weight_bytes_total / gb:.2f} GB total = experts "
+         f"{p.weight_bytes['experts'] / gb:.2f} + dense {p.weight_bytes['dense'] / gb:.2f} "
+         f"+ other {p.weight_bytes['other'] / gb:.2f}"),
         f"  weights per GPU (even split): {p.weight_bytes_per_gpu / gb:.2f} GB",
     ]
     if not p.fits:
@@ -155,11 +156,11 @@ def format_plan(p: MemoryPlan) -> str:
         return "\n".join(lines)
     lines += [
         f"  KV budget left per GPU: {p.kv_budget_bytes_per_gpu / gb:.2f} GB",
-        f"  global KV at {p.global_kv_bytes_per_token:.1f} B/token: "
-        f"{p.global_kv_tokens_per_gpu:,} tokens per GPU",
-        f"  SWA + compressor state {p.swa_state_bytes_per_session:,} B/session: "
-        f"{p.swa_sessions_per_gpu:,} sessions per GPU (SWA state only)",
-        f"  sessions of {p.context_tokens:,} tokens (global KV + SWA state): "
-        f"{p.sessions_at_context_per_gpu:,} per GPU",
+        (f"  global KV at {p.global_kv_bytes_per_token:.1f} B/token: "
+         f"{p.global_kv_tokens_per_gpu:,} tokens per GPU"),
+        (f"  SWA + compressor state {p.swa_state_bytes_per_session:,} B/session: "
+         f"{p.swa_sessions_per_gpu:,} sessions per GPU (SWA state only)"),
+        (f"  sessions of {p.context_tokens:,} tokens (global KV + SWA state): "
+         f"{p.sessions_at_context_per_gpu:,} per GPU"),
     ]
     return "\n".join(lines)
