@@ -188,8 +188,9 @@ def test_fp8_weights_stay_fp8():
     x = torch.randn(5, c.hidden_size)
     w = m.layers[0].attn.wq_a
     full = dequantize_fp8(w.weight, w.weight_scale, (128, 128), "wq_a").to(torch.bfloat16)
-    assert torch.equal(production.linear(x, w), torch.nn.functional.linear(
-        x.to(torch.bfloat16), full))
+    # bf16 outputs; a tolerance because GEMM kernels may block differently per shape
+    torch.testing.assert_close(production.linear(x, w).float(), torch.nn.functional.linear(
+        x.to(torch.bfloat16), full).float(), rtol=1e-2, atol=1e-2)
     toks = _tokens(c, 64)
     assert torch.isfinite(m.prefill(toks, m.new_state())).all()
 
@@ -204,8 +205,9 @@ def test_tiles_cover_a_weight(monkeypatch):
     monkeypatch.setattr(production, "TILE_BYTES", 64 * 2 * 128)
     x = torch.randn(3, 64)
     full = dequantize_fp4(codes, scale, "w").to(torch.bfloat16)
-    assert torch.equal(production.linear(x, lin),
-                       torch.nn.functional.linear(x.to(torch.bfloat16), full))
+    # scales differ by up to 2^10 between rows: a misplaced tile would be far off
+    torch.testing.assert_close(production.linear(x, lin).float(), torch.nn.functional.linear(
+        x.to(torch.bfloat16), full).float(), rtol=1e-2, atol=1e-2)
 
 
 def test_bad_precision():
