@@ -1,8 +1,9 @@
 """dsv41 against transformers 5.23.0's DeepseekV4ForCausalLM at equal shapes: one prefill
 forward (fp32 on the CPU) of the same random V4 model (saved by transformers, loaded by
 dsv41) over the same tokens, both in this process one after the other, so the ratio is
-meaningful on a shared machine. dsv41 runs in its stored-format mode (the runtime) and in
-the float32 reference mode; transformers' forward uses its DynamicCache (what generate's
+meaningful on a shared machine. dsv41 runs in its stored-format mode (the float64 reference
+precision), in the float32 reference mode (kv_dtype="float32") and on the production path
+(precision="bf16": bf16 weights and GEMMs, stored KV formats; model/production.py); transformers' forward uses its DynamicCache (what generate's
 prefill runs).
 
     OMP_NUM_THREADS=1 PYTHONPATH=python python bench/bench_vs_transformers.py \\
@@ -74,12 +75,16 @@ def main() -> int:
     ap.add_argument("--lengths", nargs="+", type=int, default=[256, 1024, 4096])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--warm-each", action="store_true",
+                    help="run every model once, untimed, at each length before timing it "
+                         "(steady state: oneDNN creates a bf16 kernel per new GEMM shape)")
     args = ap.parse_args()
     transformers, hf = hf_model(args.seed)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         ours = {"stored": Model.from_pretrained(d), "float32": Model.from_pretrained(
-            d, kv_dtype="float32")}
+            d, kv_dtype="float32"),
+                "production": Model.from_pretrained(d, precision="bf16")}
     g = torch.Generator().manual_seed(args.seed + 1)
     warm = torch.randint(0, 1024, (16,), generator=g)
     with torch.no_grad():
@@ -89,7 +94,15 @@ def main() -> int:
     rows = []
     for n in args.lengths:
         ids = torch.randint(0, 1024, (n,), generator=g)
-        row = {"tokens": n, "load_average_1m_before": os.getloadavg()[0]}
+        if args.warm_each:
+            other = torch.randint(0, 1024, (n,), generator=g)
+            with torch.no_grad():
+                hf(input_ids=other[None], past_key_values=transformers.DynamicCache(
+                    config=hf.config))
+            for m in ours.values():
+                m.prefill(other, m.new_state())
+        row = {"tokens": n, "warm_at_length": args.warm_each,
+               "load_average_1m_before": os.getloadavg()[0]}
         t0 = time.perf_counter()
         with torch.no_grad():
             want = hf(input_ids=ids[None], use_cache=True,
@@ -101,14 +114,19 @@ def main() -> int:
             row[f"dsv41_{mode}_s"] = time.perf_counter() - t0
             row[f"dsv41_{mode}_vs_transformers_speed"] = row["transformers_s"] / row[f"dsv41_{mode}_s"]
             row[f"dsv41_{mode}_last_logits_max_abs_diff"] = (want - got).abs().max().item()
-        for k in ("transformers", "dsv41_stored", "dsv41_float32"):
+        for k in ("transformers", "dsv41_stored", "dsv41_float32", "dsv41_production"):
             row[f"{k}_tokens_per_s"] = n / row[f"{k}_s"]
+        # the production path against the float64 reference it replaces (same stored KV)
+        row["dsv41_production_vs_reference_speed"] = row["dsv41_stored_s"] / row["dsv41_production_s"]
         rows.append(row)
         print(f"{n:>6} tokens: transformers {row['transformers_tokens_per_s']:8.1f} tok/s, dsv41 "
               f"stored {row['dsv41_stored_tokens_per_s']:8.1f} tok/s "
               f"({row['dsv41_stored_vs_transformers_speed']:.2f}x), float32 "
               f"{row['dsv41_float32_tokens_per_s']:8.1f} tok/s "
-              f"({row['dsv41_float32_vs_transformers_speed']:.2f}x); last-token logits "
+              f"({row['dsv41_float32_vs_transformers_speed']:.2f}x), production "
+              f"{row['dsv41_production_tokens_per_s']:8.1f} tok/s "
+              f"({row['dsv41_production_vs_transformers_speed']:.2f}x transformers, "
+              f"{row['dsv41_production_vs_reference_speed']:.2f}x reference); last-token logits "
               f"float32 diff {row['dsv41_float32_last_logits_max_abs_diff']:.1e}", flush=True)
     out = {"benchmark": "vs_transformers", "date": datetime.date.today().isoformat(),
            "commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),

@@ -3,6 +3,7 @@
     dsv41 info                           what was built and what this process sees
     dsv41 kv-bytes --preset v41-flash    the KV byte budget of a model (table or --json)
     dsv41 kv-bytes --config config.json  ... of a Hugging Face or inference config file
+    dsv41 plan --preset v41-flash --gpus 8   weights per GPU as stored, KV budget, sessions
     dsv41 cache stats|verify|gc DIR      look after a persistent prefix store
     dsv41 digest CKPT_DIR                record a checkpoint's weights digest (its cache identity)
     dsv41 demo [--json]                  an agent workload through the engine and cache
@@ -84,6 +85,32 @@ def _cmd_digest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .config import ConfigError, ModelConfig
+    from .gpu_plan import StoredFormat, format_plan, memory_plan
+
+    try:
+        if args.config:
+            config = ModelConfig.from_json(args.config)
+            with open(args.config) as f:
+                raw = json.load(f)
+            quant = raw.get("quantization_config") or raw.get("text_config", {}).get(
+                "quantization_config") or {}
+            fmt = StoredFormat.for_config(config, quant)
+        else:
+            config = ModelConfig.preset(args.preset)
+            fmt = StoredFormat.for_config(config)
+        plan = memory_plan(config, gpus=args.gpus, fmt=fmt,
+                           gpu_memory_bytes=int(args.gpu_memory_gb * 1e9),
+                           reserve_bytes=int(args.reserve_gb * 1e9),
+                           context_tokens=args.context)
+    except (ConfigError, KeyError, OSError, ValueError) as e:
+        print(f"dsv41 plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import preset_names
 
@@ -109,6 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("directory", metavar="CKPT_DIR", help="a checkpoint directory (config.json + safetensors)")
     dg.add_argument("--quiet", action="store_true", help="no progress bar")
     dg.set_defaults(func=_cmd_digest)
+    plan = sub.add_parser("plan", help="GPU memory plan: weights per GPU as stored, KV budget, "
+                                       "tokens and sessions that fit")
+    src = plan.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="v41-flash", choices=preset_names(),
+                     help="a built-in model config (default: v41-flash)")
+    src.add_argument("--config", metavar="PATH",
+                     help="a checkpoint's config.json (its quantization_config decides the "
+                          "stored weight formats; none: bf16)")
+    plan.add_argument("--gpus", type=int, default=1, help="GPUs the weights are split over")
+    plan.add_argument("--gpu-memory-gb", type=float, default=141.0,
+                      help="memory per GPU in GB (default: 141, an H200)")
+    plan.add_argument("--reserve-gb", type=float, default=10.0,
+                      help="per-GPU bytes kept for activations, workspace, CUDA context")
+    plan.add_argument("--context", type=int, default=32768,
+                      help="tokens per session for the sessions-at-context figure")
+    plan.add_argument("--json", action="store_true", help="print a JSON object")
+    plan.set_defaults(func=_cmd_plan)
 
     from .cache.cli import add_cache_parser
     add_cache_parser(sub)

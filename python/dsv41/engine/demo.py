@@ -60,6 +60,7 @@ def run_demo(args, out=None, err=None) -> dict:
     from ..cache import CacheConfig, PrefixCache
     from ..config import ModelConfig
     from ..model import Model
+    from ..model.production import default_precision
     from .llm_engine import Engine
     from .request import SamplingParams
 
@@ -74,7 +75,9 @@ def run_demo(args, out=None, err=None) -> dict:
     config = ModelConfig.preset(args.preset)
     progress(f"[demo] model {config.name} (synthetic weights, seed {args.seed}), "
              f"window {config.sliding_window}")
-    model = Model.synthetic(config, seed=args.seed)
+    device = "cpu"
+    model = Model.synthetic(config, seed=args.seed, device=device,
+                            precision=default_precision(device))
     root = Path(args.cache_dir) / config.name
     if args.fresh and root.exists():
         shutil.rmtree(root)

@@ -28,6 +28,7 @@ from torch import nn
 
 from .. import ops
 from ..config import LayerPlan, ModelConfig
+from . import production
 from .compressor import Compressor
 from .context import ForwardContext, swa_index
 from .indexer import Indexer
@@ -86,6 +87,12 @@ class Attention(nn.Module):
         own [o_lora_rank, heads/group * D] block of wo_a, then wo_b. o [T,H,D] -> [T,hidden]."""
         c = self.config
         G, R = c.o_groups, c.o_lora_rank
+        if production.is_production(self):   # group by group: one weight tile each
+            grouped = o.to(torch.bfloat16).reshape(o.shape[0], G, -1)
+            mid = torch.stack([
+                grouped[:, g] @ production.dequantize_rows(self.wo_a, g * R, (g + 1) * R).T
+                for g in range(G)], 1)                                   # [T, G, R]
+            return self.wo_b(mid.reshape(o.shape[0], G * R))
         grouped = o.double().reshape(o.shape[0], G, -1).transpose(0, 1)  # [G, T, H*D/G]
         wa = as_f64(self.wo_a.weight).view(G, R, -1)                     # [G, R, H*D/G]
         mid = torch.bmm(grouped, wa.transpose(1, 2)).transpose(0, 1)     # [T, G, R]
@@ -178,8 +185,9 @@ class Attention(nn.Module):
             else:
                 kv = (torch.zeros(0, c.head_dim, device=x.device) if kv_codes is None
                       else self.codec.decode_main(kv_codes, kv_scales))
-                out = attend(q[rows], self.codec.decode_swa(buf_values, buf_scales), sidx, kv,
-                             kidx, sink, self.softmax_scale)
+                attend_fn = production.attend if production.is_production(self) else attend
+                out = attend_fn(q[rows], self.codec.decode_swa(buf_values, buf_scales), sidx,
+                                kv, kidx, sink, self.softmax_scale)
             outs.append(out)
             ctx.record(self.layer, q=q[rows], swa_idx=sidx, kv_idx=kidx, attn=out)
         o = self.rope.rotate(torch.cat(outs), pos, inverse=True)

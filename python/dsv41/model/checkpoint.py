@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
+from .production import place_quantized, take_quantized
 from .weights import (
     WeightError,
     dequantize_all,
@@ -121,7 +122,8 @@ def digest_checkpoint(directory: str | Path, progress=None) -> str:
 
 
 def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu",
-                    kv_dtype: str = "stored", weights_id: str | None = None):
+                    kv_dtype: str = "stored", weights_id: str | None = None,
+                    precision: str = "reference"):
     """The model of a checkpoint directory. weights_id: the operator's identity for these
     weights; by default the recorded digest (None when the checkpoint has none)."""
     weights_id = check_weights_id(weights_id)
@@ -133,7 +135,7 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
     options = dict(raw.get("dsv41", {}).get("model_options", {}))
     options.pop("kv_dtype", None)
     with torch.device("meta"):
-        model = cls(config, **options, kv_dtype=kv_dtype)
+        model = cls(config, **options, kv_dtype=kv_dtype, precision=precision)
     expected = dict(model.state_dict())
     weight_map = {k: v for k, v in _weight_map(directory).items() if not k.startswith("mtp.")}
     files: dict[str, list[str]] = {}
@@ -157,10 +159,12 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
             tensors = from_transformers(tensors)
         quant = raw.get("quantization_config") or raw.get("text_config", {}).get(
             "quantization_config")
+        # The production path keeps FP8/FP4 weights as shipped (production.py).
+        kept = take_quantized(tensors, quant) if precision != "reference" else {}
         tensors = dequantize_all(tensors, quant)
     except WeightError as exc:
         raise CheckpointError(f"{directory}: {exc}") from None
-    missing = set(expected) - set(tensors)
+    missing = set(expected) - set(tensors) - {f"{name}.weight" for name in kept}
     extra = set(tensors) - set(expected)
     if missing or extra:
         parts = []
@@ -171,6 +175,7 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
         raise CheckpointError(f"{directory}: checkpoint does not match config "
                               f"{config.name!r}: " + "; ".join(parts))
     model = model.to_empty(device=device)
+    place_quantized(model, kept, device)
     params = model.state_dict()
     with torch.no_grad():
         for name, t in tensors.items():

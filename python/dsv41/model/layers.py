@@ -9,11 +9,15 @@ relative and survive the rounding to float32 only with probability ~2^-29 per va
 
 Weights are float32 parameters (what checkpoints hold); their float64 copies are cached
 per parameter and refreshed when the parameter changes (its version counter or storage).
+A Linear whose weight is stored bf16/FP8/FP4 and modules flagged by
+`production.to_production` run the production path instead (production.py).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from . import production
 
 __all__ = ["Embedding", "Linear", "RMSNorm", "as_f64", "rms_normalize"]
 
@@ -37,9 +41,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != torch.float32:  # production storage (production.py)
+            return production.linear(x, self).float()
         return self.forward_f64(x).float()
 
     def forward_f64(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != torch.float32:
+            return production.linear(x, self).double()
         return torch.matmul(x.double(), as_f64(self.weight).T)
 
     def extra_repr(self) -> str:
@@ -58,6 +66,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if production.is_production(self):
+            return production.rms_norm(x, self.weight, self.eps)
         return (rms_normalize(x.double(), self.eps) * as_f64(self.weight)).float()
 
     def extra_repr(self) -> str:
@@ -70,4 +80,4 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.weight.index_select(0, tokens)
+        return self.weight.index_select(0, tokens).float()  # bf16 tables in production

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .layers import as_f64, rms_normalize
+from .production import is_production
 
 __all__ = ["HyperConnection", "add_site", "hc_head"]
 
@@ -40,12 +41,18 @@ class HyperConnection:
         self.n, self.iters, self.eps, self.norm_eps = n, iters, eps, norm_eps
 
     def _p(self, name: str) -> torch.Tensor:
-        return as_f64(getattr(self.owner, f"{self.prefix}_{name}"))
+        p = getattr(self.owner, f"{self.prefix}_{name}")
+        return p.float() if is_production(self.owner) else as_f64(p)
 
     def weights(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h [T, n, hidden] f32 -> pre [T, n], post [T, n], comb [T, n, n] (float64)."""
+        """h [T, n, hidden] f32 -> pre [T, n], post [T, n], comb [T, n, n] (float64; float32
+        on the production path)."""
         n, T = self.n, h.shape[0]
-        flat = rms_normalize(h.reshape(T, -1).double(), self.norm_eps)
+        if is_production(self.owner):
+            x = h.reshape(T, -1).float()
+            flat = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)
+        else:
+            flat = rms_normalize(h.reshape(T, -1).double(), self.norm_eps)
         mix = flat @ self._p("fn").T
         base, scale = self._p("base"), self._p("scale")
         pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + self.eps
@@ -60,20 +67,26 @@ class HyperConnection:
 
     @staticmethod
     def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        """sum_j pre_j h_j: [T, hidden] f32."""
-        return (pre[..., None] * h.double()).sum(1).float()
+        """sum_j pre_j h_j: [T, hidden] f32 (pre's dtype is the math's)."""
+        return (pre[..., None] * h.to(pre.dtype)).sum(1).float()
 
     @staticmethod
     def expand(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor,
                comb: torch.Tensor) -> torch.Tensor:
         """h' = post * out + comb^T h: [T, n, hidden] f32."""
-        mixed = torch.matmul(comb.transpose(-1, -2), h.double())
-        return (post[..., None] * out.double()[:, None, :] + mixed).float()
+        dt = comb.dtype
+        mixed = torch.matmul(comb.transpose(-1, -2), h.to(dt))
+        return (post[..., None] * out.to(dt)[:, None, :] + mixed).float()
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-            eps: float, norm_eps: float) -> torch.Tensor:
+            eps: float, norm_eps: float, *, fp32: bool = False) -> torch.Tensor:
     """The final collapse: sum_j (sigmoid(w_j * scale + b_j) + eps) h_j -> [T, hidden]."""
+    if fp32:  # the production path
+        x = h.reshape(h.shape[0], -1).float()
+        flat = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+        pre = torch.sigmoid(flat @ fn.float().T * scale.float() + base.float()) + eps
+        return (pre[..., None] * h.float()).sum(1)
     flat = rms_normalize(h.reshape(h.shape[0], -1).double(), norm_eps)
     mix = flat @ as_f64(fn).T
     pre = torch.sigmoid(mix * as_f64(scale) + as_f64(base)) + eps

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..config import MODE_FULL, PART_DECODER, ModelConfig
+from . import production
 from .attention import Attention
 from .context import ForwardContext, Segment
 from .kv_codec import KV_DTYPES, codec_for
@@ -127,14 +128,22 @@ class Model(nn.Module):
     `weights_id` names the weights (model/weights_id.py): set by `synthetic`, by
     `from_pretrained` from the checkpoint's recorded digest, or by the operator; None when
     unknown. Whoever changes the weights in place must set it again (or to None).
+    precision - "reference" (default: float32 weights, float64 math, batch invariant,
+    bit-exact chunking) or "bf16" (the production path, production.py: weights as the
+    checkpoint ships them, bf16 GEMMs, grouped MoE). Not part of the state's identity:
+    both read and write the same stored KV formats. `to_production()` switches in place.
     """
 
     def __init__(self, config: ModelConfig, *, indexer_rotation: bool = True,
-                 kv_dtype: str = "stored"):
+                 kv_dtype: str = "stored", precision: str = "reference"):
         super().__init__()
         _check_supported(config, indexer_rotation)
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if precision not in production.PRECISIONS:
+            raise ValueError(f"precision must be one of {production.PRECISIONS}, "
+                             f"got {precision!r}")
+        self.precision = "reference"
         self.config = config
         self.options = {"indexer_rotation": bool(indexer_rotation)}
         self.weights_id: str | None = None
@@ -153,6 +162,14 @@ class Model(nn.Module):
         self._decoder_full = next(
             (p.layer for p in config.layer_plan()
              if p.part == PART_DECODER and p.mode == MODE_FULL), None)
+        if precision != "reference":
+            self.to_production()
+
+    def to_production(self, *, fp8: bool = False) -> Model:
+        """Switch to the bf16 production path in place (production.to_production): float32
+        weights become bf16 (fp8=True: FP8 E4M3 with 128x128 block scales)."""
+        production.to_production(self, fp8=fp8)
+        return self
 
     # ---- construction -----------------------------------------------------------------
 
@@ -174,18 +191,22 @@ class Model(nn.Module):
         return self
 
     def save_pretrained(self, directory: str | Path, *, max_shard_bytes: int = 2 << 30) -> None:
+        if self.precision != "reference":
+            raise ValueError("save_pretrained: this model holds production weights (bf16/FP8/"
+                             "FP4); save the reference-precision model they came from")
         from .checkpoint import save_pretrained
         save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, device: str | torch.device = "cpu",
-                        kv_dtype: str = "stored", weights_id: str | None = None) -> Model:
+                        kv_dtype: str = "stored", weights_id: str | None = None,
+                        precision: str = "reference") -> Model:
         """Load dsv41's own checkpoints, directories written by transformers'
         DeepseekV4ForCausalLM.save_pretrained, and DeepSeek's naming with FP8/FP4 weights
         (docs/model.md, "Checkpoints")."""
         from .checkpoint import load_pretrained
         return load_pretrained(cls, directory, device=device, kv_dtype=kv_dtype,
-                               weights_id=weights_id)
+                               weights_id=weights_id, precision=precision)
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, device=self.device, options=self.options)
@@ -407,7 +428,8 @@ class Model(nn.Module):
                 ctx.record(block.layer, hidden=h)
             if self.config.hc_mult > 1:
                 h = hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
-                            self.config.hc_eps, self.config.rms_norm_eps)
+                            self.config.hc_eps, self.config.rms_norm_eps,
+                            fp32=production.is_production(self))
             out_segs = ctx.segments
             rows = torch.cat([
                 torch.arange(s.rows.start, s.rows.stop) if want
@@ -429,7 +451,8 @@ class Model(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"config={self.config.name!r}, options={self.options}"
+        return (f"config={self.config.name!r}, options={self.options}, "
+                f"precision={self.precision!r}")
 
 
 def _one_token(token) -> list[int]:

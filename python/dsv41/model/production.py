@@ -1,0 +1,335 @@
+"""The production precision: weights in their shipped precision, bf16 GEMMs, grouped MoE.
+
+`Model(..., precision="bf16")`, `Model.synthetic(..., precision="bf16")`,
+`Model.from_pretrained(..., precision="bf16")` or `model.to_production()` switch a model
+from the float64 reference (layers.py) to this path:
+  - weights at rest as the checkpoint ships them: a Linear's `weight` is bf16, or FP8 E4M3
+    with `weight_scale` (one scale per weight_block, 128x128 in DeepSeek's release), or
+    packed FP4 (int8, two E2M1 codes a byte) with UE8M0 `weight_scale` per 32 inputs. A
+    float32 (synthetic or dequantized) weight is cast to bf16. No float32/float64 copy of
+    a quantized weight is kept: `linear` dequantizes it tile by tile (`TILE_BYTES` of
+    bf16 at a time) inside the matmul.
+  - GEMM inputs and outputs in bf16; RMSNorm, mHC, the router and the SwiGLU gate in
+    float32; the residual stream stays float32 (it is what the next norm reads).
+  - MoE: the (token, slot) pairs sorted by expert, one GEMM per expert over its rows,
+    the weighted outputs summed back with index_add (`moe_forward`).
+  - attention, compression, the indexer, top-k and cache writes are the reference path's
+    own ops on the same stored formats, so a state written by one precision is read by
+    the other (tests/model/test_production.py).
+Which module runs which path: a Linear follows its weight's dtype (float32: reference);
+the others follow the `_dsv41_production` flag `to_production` sets on every module.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PRECISIONS", "TILE_BYTES", "default_precision", "is_production", "linear", "moe_forward",
+           "quantize_fp8", "rms_norm", "to_production", "weight_bytes"]
+
+PRECISIONS = ("reference", "bf16")
+TILE_BYTES = 4 << 20        # dequantized bf16 bytes per tile of a quantized weight
+FP4_BLOCK = 32
+_FLAG = "_dsv41_production"
+
+
+def default_precision(device: str | torch.device) -> str:
+    """What the engine and demo run: the production path on CUDA; the float64 reference on
+    the CPU, where the engine's exact replay relies on its batch invariance (bf16 GEMMs are
+    not batch invariant) - see docs/model.md, "Precision"."""
+    return "bf16" if torch.device(device).type == "cuda" else "reference"
+
+
+def is_production(module: nn.Module) -> bool:
+    return getattr(module, _FLAG, False)
+
+
+def _scale_f32(scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of stored scales: float, float8_e8m0fnu, or UE8M0 exponent bytes."""
+    if scale.dtype == torch.uint8:
+        return torch.ldexp(torch.ones(scale.shape, device=scale.device),
+                           scale.to(torch.int32) - 127)
+    return scale.float()
+
+
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def dequantize_rows(lin: nn.Module, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of a production Linear's weight as bf16 [r1 - r0, in]."""
+    w = lin.weight
+    if w.dtype == torch.bfloat16:
+        return w[r0:r1]
+    if w.dtype == torch.float8_e4m3fn:
+        b0, b1 = lin.weight_block
+        s = _scale_f32(lin.weight_scale[r0 // b0:(r1 + b0 - 1) // b0])
+        s = s.repeat_interleave(b0, 0)[r0 % b0:r0 % b0 + r1 - r0]
+        s = s.repeat_interleave(b1, 1)[:, :w.shape[1]]
+        return (w[r0:r1].float() * s).to(torch.bfloat16)
+    if w.dtype in (torch.int8, torch.uint8):        # packed FP4
+        b = w[r0:r1].view(torch.uint8).long()
+        table = _FP4.to(w.device)
+        vals = torch.stack((table[b & 0xF], table[b >> 4]), -1).reshape(r1 - r0, -1)
+        s = _scale_f32(lin.weight_scale[r0:r1]).repeat_interleave(FP4_BLOCK, 1)
+        return (vals * s).to(torch.bfloat16)
+    raise TypeError(f"no production storage for a {w.dtype} weight")
+
+
+def _tile_rows(lin: nn.Module) -> int:
+    block = getattr(lin, "weight_block", (128, 128))[0]
+    rows = max(1, TILE_BYTES // (2 * lin.in_features))
+    return max(block, rows // block * block)
+
+
+def _bucket(rows: int) -> int:
+    """Row counts the GEMMs run at: a few sizes, so oneDNN's per-shape kernels (about 1 ms
+    to create each, cached afterwards) are reused across expert groups and calls."""
+    if rows <= 8:
+        return rows
+    if rows <= 256:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // 256) * 256
+
+
+def linear(x: torch.Tensor, lin: nn.Module) -> torch.Tensor:
+    """x [.., in] -> x W^T [.., out] in bf16, W as `lin` stores it."""
+    xb = x.to(torch.bfloat16)
+    if xb.dim() == 2 and xb.device.type == "cpu" and _bucket(xb.shape[0]) != xb.shape[0]:
+        padded = xb.new_zeros(_bucket(xb.shape[0]), xb.shape[1])
+        padded[:xb.shape[0]] = xb
+        return linear(padded, lin)[:xb.shape[0]]
+    w = lin.weight
+    if w.dtype == torch.bfloat16:
+        return F.linear(xb, w)
+    out_dim = lin.out_features
+    step = _tile_rows(lin)
+    if step >= out_dim:
+        return F.linear(xb, dequantize_rows(lin, 0, out_dim))
+    out = xb.new_empty(*xb.shape[:-1], out_dim)
+    for r0 in range(0, out_dim, step):
+        r1 = min(out_dim, r0 + step)
+        out[..., r0:r1] = F.linear(xb, dequantize_rows(lin, r0, r1))
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """float32 RMSNorm (float32 out)."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight.float()
+
+
+# ---- attention ---------------------------------------------------------------------------
+
+ATTEND_CHUNK = 128   # queries per step: bounds the score and probability tiles
+
+
+def attend(q: torch.Tensor, swa: torch.Tensor, swa_idx: torch.Tensor, kv: torch.Tensor,
+           kv_idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """attention.attend (same arguments, same softmax with sink) in float32, chunked over
+    queries. The SWA rows a chunk reaches lie in a short range of `swa` (the ring plus the
+    chunk and its window), so their scores are one dense product over that range, gathered
+    per query, and the probabilities are scattered back for one product with the values;
+    only the selected global rows are gathered."""
+    T, H, D = q.shape
+    out = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
+    swa, kv, sink = swa.float(), kv.float(), sink.float()
+    if kv.shape[0] == 0:
+        kv_idx = kv_idx[:, :0]
+    for t0 in range(0, T, ATTEND_CHUNK):
+        t1 = min(T, t0 + ATTEND_CHUNK)
+        qc, si, ki = q[t0:t1].float(), swa_idx[t0:t1].long(), kv_idx[t0:t1].long()
+        valid_s = si >= 0
+        lo = int(si[valid_s].min()) if valid_s.any() else 0
+        hi = int(si.max()) + 1 if valid_s.any() else 1
+        rows = swa[lo:hi]                                                # [R, D]
+        local = (si - lo).clamp(min=0)                                   # [c, W]
+        dense = torch.einsum("thd,rd->thr", qc, rows) * scale            # [c, H, R]
+        s_swa = dense.gather(2, local[:, None, :].expand(-1, H, -1))     # [c, H, W]
+        keys = kv[ki.clamp(min=0)]                                       # [c, K, D]
+        s_kv = torch.einsum("thd,tkd->thk", qc, keys) * scale
+        scores = torch.cat((s_swa, s_kv), 2)
+        valid = torch.cat((valid_s, ki >= 0), 1)
+        scores = scores.masked_fill(~valid[:, None, :], -math.inf)
+        sk = sink[None, :].expand(t1 - t0, -1)
+        m = torch.maximum(scores.amax(-1), sk)
+        p = torch.exp(scores - m[..., None])
+        denom = p.sum(-1) + torch.exp(sk - m)
+        W = si.shape[1]
+        p_dense = torch.zeros_like(dense).scatter_add_(2, local[:, None, :].expand(-1, H, -1),
+                                                       p[..., :W])
+        o = torch.einsum("thr,rd->thd", p_dense, rows)
+        o += torch.einsum("thk,tkd->thd", p[..., W:], keys)
+        out[t0:t1] = o / denom[..., None]
+    return out
+
+
+# ---- MoE ---------------------------------------------------------------------------------
+
+def gate_forward(gate: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None):
+    """The router in float32: expert ids [T, k], weights [T, k] float32."""
+    scores = torch.sqrt(F.softplus(F.linear(x.float(), gate.weight.float())))
+    if hasattr(gate, "tid2eid"):
+        if tokens is None:
+            raise ValueError("a hash-routed MoE layer needs the token ids")
+        ids = gate.tid2eid.index_select(0, tokens.to(gate.tid2eid.device))
+    else:
+        ids = torch.sort(scores + gate.bias.float(), dim=-1, descending=True,
+                         stable=True).indices[:, :gate.topk]
+    w = scores.gather(1, ids)
+    return ids, w / w.sum(-1, keepdim=True) * gate.route_scale
+
+
+def expert_forward(expert: nn.Module, xb: torch.Tensor) -> torch.Tensor:
+    """SwiGLU expert on bf16 rows; the activation in float32, bf16 out."""
+    gate, up = linear(xb, expert.w1).float(), linear(xb, expert.w3).float()
+    if expert.limit > 0:
+        gate = gate.clamp(max=expert.limit)
+        up = up.clamp(-expert.limit, expert.limit)
+    return linear((F.silu(gate) * up).to(torch.bfloat16), expert.w2)
+
+
+def moe_forward(moe: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    """Routed experts grouped by expert (a sorted per-expert loop) + shared experts;
+    float32 [T, hidden] out."""
+    ids, weights = gate_forward(moe.gate, x, tokens)
+    T, k = ids.shape
+    xb = x.to(torch.bfloat16)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = order // k
+    counts = torch.bincount(flat, minlength=len(moe.experts)).tolist()
+    xs = xb.index_select(0, rows)
+    out = torch.empty(T * k, x.shape[1], dtype=torch.float32, device=x.device)
+    at = 0
+    for e, n in enumerate(counts):
+        if n:
+            out[at:at + n] = expert_forward(moe.experts[e], xs[at:at + n]).float()
+            at += n
+    out *= weights.reshape(-1).index_select(0, order)[:, None]
+    y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    y.index_add_(0, rows, out)
+    if hasattr(moe, "shared_experts"):
+        y += expert_forward(moe.shared_experts, xb).float()
+    return y
+
+
+# ---- weights -----------------------------------------------------------------------------
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float weight [out, in] -> (float8_e4m3fn codes, float32 scales [ceil(out/b0),
+    ceil(in/b1)]) with weight ~= codes * scale of its block (DeepSeek's layout; used to
+    build FP8 test checkpoints and by `to_production(fp8=True)`)."""
+    out_dim, in_dim = w.shape
+    b0, b1 = block
+    po, pi = math.ceil(out_dim / b0) * b0, math.ceil(in_dim / b1) * b1
+    padded = torch.zeros(po, pi, dtype=torch.float32, device=w.device)
+    padded[:out_dim, :in_dim] = w.float()
+    tiles = padded.view(po // b0, b0, pi // b1, b1)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    codes = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return codes.view(po, pi)[:out_dim, :in_dim].contiguous(), scale
+
+
+def set_weight(lin: nn.Module, weight: torch.Tensor, scale: torch.Tensor | None = None,
+               block: tuple[int, int] | None = None) -> None:
+    """Store a production weight (bf16, FP8 + block scales, or packed FP4 + scales)."""
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    if scale is None:
+        if "weight_scale" in lin._buffers:
+            del lin._buffers["weight_scale"]
+        return
+    lin.register_buffer("weight_scale", scale)
+    if block is not None:
+        lin.weight_block = tuple(block)
+
+
+def take_quantized(tensors: dict[str, torch.Tensor], quant) -> dict[str, tuple]:
+    """Remove the FP8 / packed-FP4 `X.weight` (+ `X.scale` / `X.weight_scale_inv`) pairs
+    from a checkpoint's tensors: {X: (weight, scale, block)} for `place_quantized`. The
+    layouts and their checks are the loader's (weights.py)."""
+    from .weights import DEFAULT_FP8_BLOCK, WeightError
+    quant = dict(quant or {})
+    block = tuple(quant.get("weight_block_size") or DEFAULT_FP8_BLOCK)
+    out = {}
+    for name in [n for n in tensors if n.endswith(".weight")]:
+        base = name.removesuffix(".weight")
+        scale_name = next((s for s in (f"{base}.scale", f"{base}.weight_scale_inv")
+                           if s in tensors), None)
+        t = tensors[name]
+        if t.dtype == torch.float8_e4m3fn and scale_name is not None:
+            b0, b1 = block
+            want = (math.ceil(t.shape[0] / b0), math.ceil(t.shape[1] / b1))
+            if tuple(tensors[scale_name].shape) != want:
+                raise WeightError(f"tensor {name!r}: FP8 weight {tuple(t.shape)} with block "
+                                  f"{block} needs scales of shape {want}, got "
+                                  f"{tuple(tensors[scale_name].shape)}")
+            out[base] = (t, tensors[scale_name], block)
+        elif (t.dtype in (torch.int8, torch.uint8) and scale_name is not None
+              and str(quant.get("expert_dtype", "")).lower() == "fp4"):
+            want = (t.shape[0], 2 * t.shape[1] // FP4_BLOCK)
+            if tuple(tensors[scale_name].shape) != want:
+                raise WeightError(f"tensor {name!r}: FP4 weight {tuple(t.shape)} (packed) "
+                                  f"needs scales of shape {want}, got "
+                                  f"{tuple(tensors[scale_name].shape)}")
+            out[base] = (t, tensors[scale_name], None)
+        else:
+            continue
+        del tensors[name], tensors[scale_name]
+    return out
+
+
+def place_quantized(model: nn.Module, kept: dict[str, tuple], device) -> None:
+    """Store `take_quantized`'s weights on their Linears (shapes checked)."""
+    from .layers import Linear
+    from .weights import WeightError
+    for base, (w, scale, block) in kept.items():
+        lin = model.get_submodule(base)
+        if not isinstance(lin, Linear):
+            raise WeightError(f"tensor {base}.weight: quantized, but {base} is not a Linear")
+        in_dim = w.shape[1] * (2 if block is None else 1)
+        if (w.shape[0], in_dim) != (lin.out_features, lin.in_features):
+            raise WeightError(f"tensor {base}.weight: holds a [{w.shape[0]}, {in_dim}] "
+                              f"weight, expected [{lin.out_features}, {lin.in_features}]")
+        set_weight(lin, w.to(device), scale.to(device), block)
+
+
+def to_production(model: nn.Module, *, fp8: bool = False,
+                  block: tuple[int, int] = (128, 128)) -> nn.Module:
+    """Switch `model` to the production path in place. Float32 Linear weights become bf16
+    (fp8=True: FP8 E4M3 with `block` scales, as DeepSeek ships its dense weights); weights
+    already stored bf16/FP8/FP4 stay as they are; the reference's float64 caches are
+    dropped."""
+    from .layers import Embedding, Linear
+    with torch.no_grad():
+        for m in model.modules():
+            setattr(m, _FLAG, True)
+            if isinstance(m, Embedding) and m.weight.dtype == torch.float32:
+                m.weight = nn.Parameter(m.weight.detach().to(torch.bfloat16),
+                                        requires_grad=False)
+            if isinstance(m, Linear) and m.weight.dtype == torch.float32:
+                w = m.weight.detach()
+                if fp8:
+                    codes, scale = quantize_fp8(w, block)
+                    set_weight(m, codes, scale, block)
+                else:
+                    set_weight(m, w.to(torch.bfloat16))
+        for p in model.parameters():
+            if hasattr(p, "_dsv41_f64"):
+                del p._dsv41_f64
+    model.precision = "bf16"
+    return model
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of parameters and buffers at rest, by dtype name."""
+    out: dict[str, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = str(t.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
