@@ -23,6 +23,7 @@ class ServeOptions:
     seed: int = 0                         # synthetic weights
     served_model_name: str | None = None
     device: str | None = None             # None: cuda when available, else cpu
+    precision: str | None = None          # None: bf16 (production) on cuda, the reference on cpu
     prefix_cache: bool = True
     cache_dir: str | None = None          # the SSD tier's store; None: no SSD tier
     block_tokens: int = 64
@@ -45,17 +46,22 @@ class Server:
         from ..config import ModelConfig
         from ..engine import Engine, SamplingParams
         from ..model import Model
+        from ..model.production import default_precision
         from .app import create_app
         from .loop import EngineLoop
         from .metrics import ServerMetrics
         from .tokenizer import load_tokenizer
 
         device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # The production path (weights as shipped, bf16 GEMMs) on CUDA; the float64 reference
+        # on the CPU (docs/model.md, "Precision"). --precision overrides.
+        precision = opts.precision or default_precision(device)
         if opts.model is not None:
-            model = Model.from_pretrained(opts.model, device=device)
+            model = Model.from_pretrained(opts.model, device=device, precision=precision)
             name = opts.served_model_name or Path(opts.model).resolve().name
         else:
-            model = Model.synthetic(ModelConfig.preset(opts.preset), seed=opts.seed, device=device)
+            model = Model.synthetic(ModelConfig.preset(opts.preset), seed=opts.seed, device=device,
+                                    precision=precision)
             name = opts.served_model_name or opts.preset
         self.cache = None
         if opts.prefix_cache:
@@ -89,6 +95,7 @@ def build_server(opts: ServeOptions) -> Server:
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(model=args.model, preset=args.preset, seed=args.seed,
                         served_model_name=args.served_model_name, device=args.device,
+                        precision=args.precision,
                         prefix_cache=not args.no_prefix_cache, cache_dir=args.cache_dir,
                         block_tokens=args.block_tokens, gpu_cache_mb=args.gpu_cache_mb,
                         swa_cache_mb=args.swa_cache_mb, swa_ttl_s=args.swa_ttl, replay=args.replay,
@@ -129,6 +136,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    s.add_argument("--precision", choices=("reference", "bf16"),
+                   help="model execution path (default: bf16 on cuda, the float64 reference on cpu)")
     s.add_argument("--cache-dir", metavar="DIR", help="persistent prefix store (SSD tier); default: none")
     s.add_argument("--no-prefix-cache", action="store_true", help="run without a prefix cache")
     s.add_argument("--block-tokens", type=int, default=d.block_tokens, help="tokens per cache block")
