@@ -27,11 +27,10 @@ if TYPE_CHECKING:
 
 __all__ = ["write_segment", "commit_pending", "ChunkWriter"]
 
-# Small chunks keep encoding and writing overlapped (measured with bench/bench_cache.py:
-# 1 MiB chunks beat 4 and 16 MiB ones); two writes in flight keep the disk's queue busy.
+# Small chunks keep encoding and writing overlapped: with bench/bench_cache.py on the 2-core
+# dev machine 1 MiB chunks wrote faster than 4 and 16 MiB ones (noisy, but every time).
 _WRITE_CHUNK = 1 << 20  # staging chunk: encoded while the ones before are written
 _IN_FLIGHT = 2          # chunk writes in flight while the next chunk is encoded
-_WRITE_OP = 1 << 20     # a chunk is written as ops of at most this size on the engine's threads
 
 
 def write_segment(store: PersistentStore, records: list, supersedes: list[bytes], raw: list | None = None) -> int:
@@ -85,7 +84,7 @@ def write_segment(store: PersistentStore, records: list, supersedes: list[bytes]
                 if specs:
                     store._eng.encode_records(buf, specs)
                 store._hook("write")
-                fut = store._chunk_writer.submit(_write_chunk, store._eng, f.fd, offset, buf, size, str(tmp))
+                fut = store._chunk_writer.submit(store._eng.write_all, f.fd, offset, buf, 0, size, str(tmp))
             except BaseException:
                 store._put_staging(item)
                 raise
@@ -175,16 +174,6 @@ def _retire(store: PersistentStore, in_flight: list) -> None:
         store._put_staging(item)
 
 
-def _write_chunk(eng: _io.IOEngine, fd: int, offset: int, buf, size: int, path: str) -> None:
-    """Writes buf[:size] at `offset` as parallel ops (the disk sees a queue, as the raw
-    parallel baseline gives it); raises OSError unless every byte was written."""
-    ops = [(fd, offset + at, min(_WRITE_OP, size - at), buf, at) for at in range(0, size, _WRITE_OP)]
-    for (done, err), op in zip(eng.pwrite(ops), ops):
-        if err or done != op[2]:
-            err = err or 5  # EIO for a short write without an errno
-            raise OSError(err, os.strerror(err), path)
-
-
 def _record_bytes(view: np.ndarray, at: int) -> int:
     return int(view[at: at + sf.REC_HEADER_BYTES].view(sf.REC_DTYPE)[0]["record_bytes"])
 
@@ -207,9 +196,10 @@ def _head(p: PendingRecord, at: int, file_off: int, specs: list, rows, keys, key
 
 
 class ChunkWriter:
-    """One thread per store that writes a chunk while the caller encodes the next. A plain
-    daemon thread, not concurrent.futures: that refuses new work once interpreter shutdown
-    has begun, and a cache commits its queued writes at exit."""
+    """A store's writer threads (one per write in flight): they write chunks while the
+    caller encodes the next. Plain daemon threads, not concurrent.futures: that refuses new
+    work once interpreter shutdown has begun, and a cache commits its queued writes at exit.
+    Threads that are gone (a forked child inherits none) are started again."""
 
     def __init__(self, threads: int = _IN_FLIGHT):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -217,6 +207,7 @@ class ChunkWriter:
         self._threads: list[threading.Thread] = []
 
     def submit(self, fn, *args) -> "_Job":
+        self._threads = [t for t in self._threads if t.is_alive()]
         if len(self._threads) < self._n:
             t = threading.Thread(target=self._run, name="dsv41-store-write", daemon=True)
             t.start()
