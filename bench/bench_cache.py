@@ -454,10 +454,12 @@ def main(argv=None) -> int:
     except (OSError, subprocess.SubprocessError):
         commit = None
     out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit, "host": platform.node(),
-           "cpus": os.cpu_count(), "torch": torch.__version__, "dsv41": dsv41.__version__,
-           "io": cio.io_info(), "args": vars(args)}
+           "command": " ".join(["python", "bench/bench_cache.py", *(argv if argv is not None else sys.argv[1:])]),
+           "load_average_start": os.getloadavg(), "cpus": os.cpu_count(), "torch": torch.__version__,
+           "dsv41": dsv41.__version__, "io": cio.io_info(), "args": vars(args)}
     for name in sections:
         {"store": bench_store, "request": bench_request, "lookup": bench_lookup, "snapshot": bench_snapshot, "device": bench_device}[name](args, out)
+    out["load_average_end"] = os.getloadavg()
     text = json.dumps(out, indent=2, default=str)
     print(text)
     if args.json:

@@ -101,6 +101,49 @@ py::list run_ops(IoEngine& eng, const py::list& ops, bool write) {
   return out;
 }
 
+// Encodes records into a staging buffer on the engine's threads (record::encode: one
+// pass per record, copy then CRC over bytes in cache). specs: [(offset in buf, head (256
+// bytes, CRC fields ignored), token ids (uint32 buffer), key (bytes), payload (buffer))].
+// Every size is checked against the head's geometry before anything is written.
+void encode_records(IoEngine& eng, const py::buffer& buf, const py::list& specs) {
+  ByteView out = byte_view(buf, true);
+  struct Item {
+    uint64_t at;
+    std::string head, key;
+    ByteView tokens, payload;
+  };
+  std::vector<Item> items;
+  items.reserve(specs.size());
+  for (const auto& s : specs) {
+    auto t = s.cast<py::tuple>();
+    if (t.size() != 5) throw std::invalid_argument("each spec is (offset, head, tokens, key, payload)");
+    Item it{t[0].cast<uint64_t>(), t[1].cast<std::string>(), t[3].cast<std::string>(),
+            byte_view(t[2].cast<py::buffer>(), false), byte_view(t[4].cast<py::buffer>(), false)};
+    if (it.head.size() != record::kHeaderBytes) throw std::invalid_argument("a record head is 256 bytes");
+    record::HeaderV1 h;
+    std::memcpy(&h, it.head.data(), sizeof(h));
+    const uint64_t padded = (uint64_t(h.record_bytes) + 4095) / 4096 * 4096;
+    if (it.tokens.size != 4ull * h.token_count || it.key.size() != h.key_bytes ||
+        it.payload.size != h.payload_bytes)
+      throw std::invalid_argument("token ids, key or payload do not match the record head");
+    if (it.at > out.size || padded > out.size - it.at) throw std::invalid_argument("record overruns the buffer");
+    items.push_back(std::move(it));
+  }
+  std::vector<uint64_t> written(items.size());
+  {
+    py::gil_scoped_release nogil;
+    eng.parallel_for(items.size(), [&](size_t i) {
+      const Item& it = items[i];
+      written[i] = record::encode(out.ptr + it.at, out.size - it.at,
+                                  reinterpret_cast<const uint8_t*>(it.head.data()),
+                                  reinterpret_cast<const uint32_t*>(it.tokens.ptr),
+                                  reinterpret_cast<const uint8_t*>(it.key.data()), it.payload.ptr);
+    });
+  }
+  for (uint64_t w : written)
+    if (w == 0) throw std::invalid_argument("record head has an inconsistent geometry");
+}
+
 // ops: [(fd, offset, length, buffer, buffer_offset,
 //        [(offset_in_op, padded, record_id, parent_id, block_index, hash, row), ...])]
 // tokens: uint32 [rows, T] or None; key: bytes or None; dst: uint8 [rows, payload] or None.
@@ -379,6 +422,8 @@ void bind_io(py::module_& parent) {
       .def("read_records", &read_records, py::arg("ops"), py::arg("tokens"), py::arg("key"), py::arg("dst"),
            py::arg("payload_bytes"),
            "verified record reads: each worker checks (and copies out) the records of the op it read")
+      .def("encode_records", &encode_records, py::arg("buf"), py::arg("specs"),
+           "encodes records (head, token ids, key, payload, padding, CRCs) into buf in parallel")
       .def("crc32c_many",
            [](IoEngine& e, const py::buffer& b, const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
              ByteView v = byte_view(b, false);

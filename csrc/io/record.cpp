@@ -36,5 +36,26 @@ int check(const uint8_t* rec, uint64_t avail, const Expect& e) {
   return kOk;
 }
 
+uint64_t encode(uint8_t* rec, uint64_t room, const uint8_t* head, const uint32_t* tokens,
+                const uint8_t* key, const uint8_t* payload) {
+  HeaderV1 h;
+  std::memcpy(&h, head, sizeof(h));
+  const uint64_t T = h.token_count, K = h.key_bytes, po = h.payload_offset, P = h.payload_bytes;
+  const uint64_t rb = h.record_bytes, padded = (rb + 4095) / 4096 * 4096;
+  if (po < kHeaderBytes + 4 * T + K || rb != po + P || padded > room) return 0;
+  h.data_crc = 0;
+  h.header_crc = 0;
+  std::memcpy(rec + kHeaderBytes, tokens, 4 * T);
+  std::memcpy(rec + kHeaderBytes + 4 * T, key, K);
+  std::memset(rec + kHeaderBytes + 4 * T + K, 0, po - (kHeaderBytes + 4 * T + K));
+  std::memcpy(rec + po, payload, P);
+  std::memset(rec + rb, 0, padded - rb);
+  h.data_crc = crc32c(0, rec + kHeaderBytes, rb - kHeaderBytes);
+  std::memcpy(rec, &h, sizeof(h));
+  h.header_crc = crc32c(0, rec, 252);
+  std::memcpy(rec + 252, &h.header_crc, 4);
+  return padded;
+}
+
 }  // namespace record
 }  // namespace dsv41

@@ -146,6 +146,9 @@ class IoEngine {
 
   int fsync(int fd);  // fdatasync where the platform has it, else fsync; 0 or -errno
 
+  // Runs fn(0..n-1) on the engine's threads (the caller helps) and waits.
+  void parallel_for(size_t n, const std::function<void(size_t)>& fn) { pool_.parallel_for(n, fn); }
+
   void set_faults(uint32_t faults, uint64_t nospace_after);
   IoCounters counters() const;
 

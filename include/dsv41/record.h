@@ -85,5 +85,14 @@ struct Expect {
 // data CRC is taken from e.data_crc and only the head of the record is read from `rec`.
 int check(const uint8_t* rec, uint64_t avail, const Expect& e);
 
+// Writes one record at `rec` (`room` bytes there) in one pass, so the data CRC runs over
+// bytes the copy just brought into cache: the header `head` (256 bytes, its geometry
+// fields filled, CRC fields ignored), the token ids, the key, zeros up to payload_offset,
+// the payload, zeros up to the next multiple of 4096; then data_crc and header_crc.
+// Returns the padded size, or 0 (nothing written) when the header's geometry is
+// inconsistent or the record does not fit `room`.
+uint64_t encode(uint8_t* rec, uint64_t room, const uint8_t* head, const uint32_t* tokens,
+                const uint8_t* key, const uint8_t* payload);
+
 }  // namespace record
 }  // namespace dsv41

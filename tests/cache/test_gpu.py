@@ -61,6 +61,7 @@ def test_ssd_hits_are_promoted_into_device_memory_bit_exact(tmp_path, gds, monke
     prompt = rand_tokens(rng, 6 * B)
     want = torch.from_numpy(chain_payloads(prompt, cache.key("a")))
     cache.release(cache.insert(prompt, want.cuda(), "a"))
+    cache.flush()  # the background SSD writes are acknowledged
     cache.pool.evict_all()
     m = cache.match(prompt, "a")
     assert (m.gpu_blocks, m.ssd_blocks) == (0, 6)

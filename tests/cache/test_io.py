@@ -164,3 +164,52 @@ def test_reads_checksum_ranges_in_the_worker(tmp_path):
         with pytest.raises(ValueError, match="outside"):
             eng.pread([(f.fd, 0, 100, buf, 0, [(50, 51)])])
         os.close(f.fd)
+
+
+def _reference_record(head: bytes, tokens: np.ndarray, key: bytes, payload: np.ndarray) -> np.ndarray:
+    """A record laid out field by field in numpy (the format table of docs/cache.md), CRCs
+    by the one-shot crc32c: what encode_records must produce byte for byte."""
+    from dsv41.cache.store import format as sf
+    h = np.frombuffer(head, sf.REC_DTYPE)[0]
+    T, K, po, rb = int(h["token_count"]), int(h["key_bytes"]), int(h["payload_offset"]), int(h["record_bytes"])
+    rec = np.zeros(io.align_up(rb), np.uint8)
+    rec[256: 256 + 4 * T] = tokens.view(np.uint8)
+    rec[256 + 4 * T: 256 + 4 * T + K] = np.frombuffer(key, np.uint8)
+    rec[po: rb] = payload
+    sealed = sf.pack_record_header(
+        record_id=int(h["record_id"]), parent_id=int(h["parent_id"]), created_ns=int(h["created_ns"]),
+        block_index=int(h["block_index"]), token_count=T, key_bytes=K, payload_offset=po,
+        payload_bytes=int(h["payload_bytes"]), record_bytes=rb, block_hash=bytes(h["block_hash"])[: int(h["hash_bytes"])],
+        parent_hash=bytes(h["parent_hash"]), data_crc=io.crc32c(rec[256: rb]))
+    rec[:256] = np.frombuffer(sealed, np.uint8)
+    return rec
+
+
+def test_encode_records_matches_the_reference_layout():
+    from dsv41.cache.store import format as sf
+    rng = np.random.default_rng(5)
+    eng = io.IOEngine(3)
+    specs, want, at = [], [], 0
+    for i, (T, K, P) in enumerate([(16, 40, 5000), (64, 7, 56960), (1, 0, 1), (16, 40, 8192)]):
+        tokens = rng.integers(0, 1 << 32, T, dtype=np.uint64).astype("<u4")
+        key = bytes(rng.integers(0, 256, K, dtype=np.uint8))
+        payload = rng.integers(0, 256, P, dtype=np.uint8)
+        po, rb, padded = sf.record_geometry(T, K, P)
+        head = sf.pack_record_header(record_id=i + 1, parent_id=i, created_ns=123 + i, block_index=i, token_count=T,
+                                     key_bytes=K, payload_offset=po, payload_bytes=P, record_bytes=rb,
+                                     block_hash=bytes(rng.integers(0, 256, 32, dtype=np.uint8)),
+                                     parent_hash=bytes(32), sealed=False)
+        specs.append((at, head, tokens, key, payload))
+        want.append((at, _reference_record(head, tokens, key, payload)))
+        at += padded
+    buf, view = io.staging(at)
+    view[:] = 0xA5  # stale bytes from an earlier chunk: gaps and padding must be zeroed
+    eng.encode_records(buf, specs)
+    for off, rec in want:
+        assert np.array_equal(view[off: off + rec.size], rec)
+    # A head whose geometry disagrees with the buffers, or that overruns the staging, is refused.
+    at0, head, tokens, key, payload = specs[0]
+    with pytest.raises(ValueError):
+        eng.encode_records(buf, [(at0, head, tokens[:-1], key, payload)])
+    with pytest.raises(ValueError):
+        eng.encode_records(buf, [(view.size - 4096, head, tokens, key, payload)])

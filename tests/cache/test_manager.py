@@ -54,6 +54,7 @@ def test_tiers_in_order_gpu_then_ssd_then_snapshot(tmp_path):
     assert torch.equal(cache.read_blocks(m), payloads(cache, prompt))
     assert torch.equal(m.snapshot.tensors["swa"], snapshot(prompt.size, 1).tensors["swa"])
     cache.release(m)
+    cache.flush()  # SSD writes are in the background: acknowledged (and readable) now
     # Drop the GPU copies: the SSD tier serves them, verified, and promotes them back.
     cache.pool.evict_all()
     m = cache.match(prompt, "a")
@@ -81,11 +82,13 @@ def test_a_restart_serves_from_the_ssd_and_links_without_rewriting(tmp_path):
     prompt = rand_tokens(rng, 6 * B)
     with make(tmp_path) as cache:
         cache.release(cache.insert(prompt, payloads(cache, prompt), "a"))
+        cache.flush()
         assert len(cache.store) == 6
     with make(tmp_path) as cache:
         # This process computes the first two blocks itself (it does not know they are stored)...
         m = cache.insert(prompt[: 2 * B], payloads(cache, prompt)[:2], "a")
         cache.release(m)
+        cache.flush()
         assert len(cache.store) == 6  # found and verified, not written again
         # ...and the rest of the prefix continues from the SSD.
         m = cache.match(prompt, "a")
@@ -123,6 +126,7 @@ def test_namespaces_never_share_any_tier(tmp_path):
     m = cache.match(prompt, "b")
     assert (m.num_blocks, m.snapshot) == (0, None)
     cache.release(m)
+    cache.flush()
     cache.pool.evict_all()
     m = cache.match(prompt, "b")
     assert (m.num_blocks, m.ssd_blocks) == (0, 0)
@@ -139,8 +143,10 @@ def test_admission_after_n_hits(tmp_path):
     cache.release(cache.match(prompt, "a"))
     assert len(cache.store) == 0  # one hit
     cache.release(cache.match(prompt[: 2 * B], "a"))  # blocks 0-1 reach two hits
+    cache.flush()
     assert len(cache.store) == 2
     cache.release(cache.match(prompt, "a"))
+    cache.flush()
     assert len(cache.store) == 3
     cache.pool.evict_all()
     m = cache.match(prompt, "a")
@@ -179,12 +185,14 @@ def test_pool_full_still_persists_and_disk_full_keeps_memory(tmp_path):
                                           store_durability="none"), weights_id=WEIGHTS_ID, store_fault=fault)
     prompt = np.arange(5 * B, dtype="<u4")
     m = cache.insert(prompt, payloads(cache, prompt), "a")
+    cache.flush()
     assert m.num_blocks == 3 and len(cache.store) == 5  # the pool holds 3, the SSD all 5
     cache.release(m)
     faults["on"] = True
     other = np.arange(5 * B, 7 * B, dtype="<u4")
     with pytest.warns(RuntimeWarning, match="not persisted"):
         m = cache.insert(other, payloads(cache, other), "a")
+        cache.flush()  # the background commit that fails has finished
     assert m.num_blocks == 2 and len(cache.store) == 5
     assert cache.metrics.persist_failures.value(cause="no_space") == 1
     cache.release(m)

@@ -57,6 +57,7 @@ def test_state_through_the_ssd_tier_resumes_bit_identical(model, tmp_path, promp
     cache.insert(prompt, export_blocks(layout, live, 0, prompt_len // B), "t", match=m)
     cache.put_snapshot(prompt, snapshot_to_cache(live.snapshot_swa(snapshot_boundary(layout, live.position))), "t")
     cache.release(m)
+    cache.flush()  # the background SSD writes are acknowledged
     cache.pool.evict_all()  # the global KV leaves (GPU) memory: only the SSD has it now
 
     hit = cache.match(prompt, "t")

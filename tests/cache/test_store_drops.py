@@ -52,7 +52,8 @@ def extend_and_check(cache: PrefixCache, prompt: np.ndarray, rng) -> None:
     assert m.num_blocks == n and torch.equal(cache.read_blocks(m), pays(cache, longer))
     cache.release(m)
     # The store holds the whole longer prefix again (re-persisted, not orphaned): a cold
-    # pool loads every block from the SSD.
+    # pool loads every block from the SSD once the background writes are acknowledged.
+    cache.flush()
     cache.pool.evict_all()
     m = cache.match(longer, "a")
     assert m.ssd_blocks == n and torch.equal(cache.read_blocks(m), pays(cache, longer))
@@ -65,6 +66,7 @@ def test_lru_eviction_under_the_store_capacity(tmp_path):
     prompt = rand_tokens(rng, 4 * B)
     clock = cache.clock
     cache.release(cache.insert(prompt, pays(cache, prompt), "a"))
+    cache.flush()  # each prompt is committed at its own clock time: the LRU order is the test's
     m = cache.match(prompt, "a")
     rid0 = cache.pool.slot(m.block_ids[0]).record_id
     cache.release(m)
@@ -74,6 +76,7 @@ def test_lru_eviction_under_the_store_capacity(tmp_path):
         clock.t += 1
         p = rand_tokens(rng, 4 * B)
         cache.release(cache.insert(p, pays(cache, p), "a"))
+        cache.flush()
     assert rid0 not in cache.store
     extend_and_check(cache, prompt, rng)
     cache.close()
@@ -85,6 +88,7 @@ def test_ttl_expiry_through_gc(tmp_path):
     cache = make(tmp_path, clock=clock, store_ttl_s=3600.0)
     prompt = rand_tokens(rng, 3 * B)
     cache.release(cache.insert(prompt, pays(cache, prompt), "a"))
+    cache.flush()
     assert len(cache.store) == 3
     clock.t += 7200
     assert cache.store.gc()["expired"] == 3 and len(cache.store) == 0
@@ -97,6 +101,7 @@ def test_verify_repair_removes_records_the_pool_references(tmp_path):
     cache = make(tmp_path)
     prompt = rand_tokens(rng, 3 * B)
     cache.release(cache.insert(prompt, pays(cache, prompt), "a"))
+    cache.flush()
     info = cache.store.record_info(cache.store.record_ids()[1])
     with open(tmp_path / "store" / info["segment"], "r+b") as f:  # bit rot in block 1 (its token ids)
         f.seek(info["offset"] + 300)
@@ -114,6 +119,7 @@ def test_a_drop_between_match_and_insert(tmp_path):
     cache = make(tmp_path, clock=clock, store_ttl_s=3600.0)
     prompt = rand_tokens(rng, 3 * B)
     cache.release(cache.insert(prompt, pays(cache, prompt), "a"))
+    cache.flush()  # stored, so that gc() below really drops it
     longer = np.concatenate([prompt, rand_tokens(rng, B)])
     m = cache.match(longer, "a")
     assert m.gpu_blocks == 3
@@ -122,5 +128,6 @@ def test_a_drop_between_match_and_insert(tmp_path):
     cache.insert(longer, pays(cache, longer), "a", match=m)
     assert torch.equal(cache.read_blocks(m), pays(cache, longer))
     cache.release(m)
+    cache.flush()
     assert len(cache.store) == 4
     cache.close()

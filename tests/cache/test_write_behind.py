@@ -1,32 +1,36 @@
-"""SSD writes off the request path (CacheConfig.store_write_behind_bytes > 0): a background
-thread commits what insert/match queued; flush() is when blocks are acknowledged; the queue
-is bounded; and under SIGKILL every acknowledged block survives and nothing torn or wrong
-is ever served."""
+"""SSD writes off the request path (CacheConfig.store_write_behind_bytes > 0, the default):
+a background thread commits what insert/match queued; flush() is when blocks are
+acknowledged; the queue is bounded; a process that exits normally loses no queued write;
+and under SIGKILL every acknowledged block survives and nothing torn or wrong is ever
+served."""
 from __future__ import annotations
 
 import gc
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from dsv41.cache import CacheConfig, PrefixCache
+from dsv41.cache.manager import DEFAULT_WRITE_BEHIND_BYTES
 
 from .helpers import B, LAYOUT, TINY, WEIGHTS_ID, chain_payloads, rand_tokens
 
 BB = LAYOUT.block_bytes
 
 
-def make(path, **kw) -> PrefixCache:
+def make(path, store_fault=None, **kw) -> PrefixCache:
     kw.setdefault("block_tokens", B)
     kw.setdefault("gpu_capacity_bytes", 128 * BB)
     kw.setdefault("device", "cpu")
     kw.setdefault("swa_capacity_bytes", 0)
     kw.setdefault("store_durability", "fsync")
-    kw.setdefault("store_write_behind_bytes", 1 << 20)
-    return PrefixCache(TINY, CacheConfig(store_dir=str(path), **kw), weights_id=WEIGHTS_ID)
+    return PrefixCache(TINY, CacheConfig(store_dir=str(path), **kw), weights_id=WEIGHTS_ID, store_fault=store_fault)
 
 
 def pays(cache: PrefixCache, tokens) -> torch.Tensor:
@@ -82,6 +86,41 @@ def test_the_queue_is_bounded(tmp_path):
         assert len(again.store) == 50
 
 
+def test_the_default_writes_in_the_background(tmp_path):
+    cache = make(tmp_path / "s")
+    assert cache.cache_config.store_write_behind_bytes == DEFAULT_WRITE_BEHIND_BYTES > 0
+    assert cache._committer is not None
+    cache.close()
+
+
+_EXIT_CHILD = """
+import sys, time
+import numpy as np, torch
+sys.path.insert(0, {root!r})
+from tests.cache.test_write_behind import make, pays
+from tests.cache.helpers import B
+def slow(stage):  # a slow disk: the background writer falls behind the requests
+    if stage == "write":
+        time.sleep(0.05)
+cache = make({path!r}, store_fault=slow)
+for s in range(24):
+    toks = np.random.default_rng(s).integers(0, 256, 3 * B).astype("<u4")
+    cache.release(cache.insert(toks, pays(cache, toks), "a"))
+print("queued", cache.store.pending_bytes, flush=True)
+"""  # ...and the script ends: no flush(), no close()
+
+
+def test_a_normal_exit_commits_what_is_queued(tmp_path):
+    path = str(tmp_path / "s")
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(root) / "python"), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _EXIT_CHILD.format(root=root, path=path)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) > 0, "nothing was still queued at exit: slow the writer more"
+    _check_acked(path, list(range(24)))
+
+
 def _child(path: str, seed: int, wfd: int) -> None:
     # A forked child inherits the parent's objects but not its threads: collecting one whose
     # C++ I/O engine owned threads would crash. Nothing here needs the cyclic collector.
@@ -113,7 +152,7 @@ def _check_acked(path: str, seeds: list[int]) -> None:
         for s in seeds:
             toks = np.random.default_rng(s).integers(0, 256, 3 * B).astype("<u4")
             m = cache.match(toks, "a")
-            assert m.ssd_blocks == 3, f"acknowledged chain {s} lost"
+            assert m.ssd_blocks == 3, f"chain {s} lost"
             assert torch.equal(cache.read_blocks(m), pays(cache, toks))
             cache.release(m)
 

@@ -90,6 +90,12 @@ class IOEngine:
             err = err or 5  # EIO for a short write without an errno
             raise OSError(err, os.strerror(err), path)
 
+    def encode_records(self, buf, specs: list) -> None:
+        """Writes records into buf on the engine's threads: specs [(offset, head, token ids,
+        key, payload)], head from store.format.pack_record_header(sealed=False); each
+        record's data and header CRCs are computed right after its bytes are copied."""
+        self._eng.encode_records(buf, specs)
+
     def crc32c_many(self, buf, ranges: list[tuple[int, int]]) -> list[int]:
         return self._eng.crc32c_many(buf, ranges)
 

@@ -21,13 +21,14 @@ after the prefill that computed it; with N > 0 only once it has been matched N t
 (sparing SSD wear for prompts that are never reused). The store holds whole prefixes only:
 a block is written only when the block before it is stored (or queued before it).
 
-SSD writes: with store_write_behind_bytes = 0 (default) insert/match commit their blocks
-before returning (outside the pool lock): what they wrote is acknowledged (durable with
-"fsync") when they return. With N > 0 they only queue the records and a background thread
-commits them, so the request does not wait for the SSD; at most N payload bytes wait in the
-queue (beyond that the request commits itself: backpressure, never unbounded memory).
-Then a block is acknowledged when flush() returns; a crash loses at most what was not yet
-acknowledged, never part of a record.
+SSD writes leave the request path: with store_write_behind_bytes = N > 0 (default 256 MiB)
+insert/match only queue the records and a background thread commits them; at most N payload
+bytes wait in the queue (beyond that the request commits itself: backpressure, never
+unbounded memory). A block is acknowledged (durable with "fsync") when flush() returns;
+close(), and a process that exits normally without closing, commit what is queued. A crash
+(SIGKILL) loses at most what was not yet acknowledged, never part of a record. With N = 0
+insert/match commit their blocks before returning (outside the pool lock): what they wrote
+is acknowledged when they return.
 
 Model identity. Every key holds the model fingerprint (hashing.model_fingerprint): the KV
 fingerprint (config + options that change stored bytes) and the weights' identity.
@@ -83,6 +84,9 @@ def _model_identity(model) -> tuple[str, str | None]:
 
 log = logging.getLogger("dsv41.cache")
 
+# Payload bytes that may wait for the background SSD writer before a request commits itself.
+DEFAULT_WRITE_BEHIND_BYTES = 256 << 20
+
 
 @dataclass
 class CacheConfig:
@@ -98,7 +102,7 @@ class CacheConfig:
     store_segment_bytes: int = DEFAULT_SEGMENT_BYTES
     store_on_mismatch: str = "error"          # or "empty"
     store_direct_io: bool = True
-    store_write_behind_bytes: int = 0         # > 0: a background thread commits SSD writes (see above)
+    store_write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES  # 0: SSD writes inside insert/match (see above)
     admit_after_hits: int = 0
     hash_fn: HashFn = sha256
     hash_name: str = "sha256"
@@ -549,12 +553,14 @@ class PrefixCache:
 
     def flush(self) -> None:
         """Waits until every block queued for the SSD tier is committed: durable (with
-        "fsync") or dropped. With store_write_behind_bytes > 0 this is when they are
-        acknowledged; without it insert/match already waited."""
+        "fsync") or dropped. With store_write_behind_bytes > 0 (the default) this is when
+        they are acknowledged; with 0 insert/match already waited."""
         if self.store is not None and self.store.writable:
             self.store.commit()
 
     def close(self) -> None:
+        """Commits what is still queued for the SSD (acknowledging it), then stops the
+        background writers and closes the tiers."""
         if self._committer is not None:
             self._committer.stop()
         if self.remote is not None:
@@ -580,10 +586,10 @@ class _BackgroundCommitter:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="dsv41-cache-commit", daemon=True)
         self._thread.start()
-        # At interpreter exit a cache nobody closed stops its thread first (the store's own
-        # finalizer then commits what is queued); a weak reference keeps it collectable.
+        # At interpreter exit a cache nobody closed stops its thread and commits what is
+        # queued (a normal exit loses no queued write); a weak reference keeps it collectable.
         ref = weakref.ref(self)
-        atexit.register(lambda: (c := ref()) is not None and c.stop())
+        atexit.register(lambda: (c := ref()) is not None and c.stop(flush=True))
 
     def kick(self) -> None:
         self._wake.set()
@@ -599,8 +605,15 @@ class _BackgroundCommitter:
             except Exception:  # noqa: BLE001 - a background thread must not die silently
                 log.exception("background commit of the SSD tier failed")
 
-    def stop(self) -> None:
+    def stop(self, flush: bool = False) -> None:
+        """Stops the thread; flush=True then commits what is still queued."""
         self._stopping = True
         self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
+        store = self.store
+        if flush and not store.closed and store.writable and store.pending_bytes:
+            try:
+                store.commit()
+            except Exception:  # noqa: BLE001 - at exit: say so, do not mask the exit status
+                log.exception("committing the SSD tier's queued writes at exit failed")

@@ -28,6 +28,7 @@ Both are verified on every read; together they cover every byte of the record.
 """
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ def valid_record_id(rid: int) -> bool:
     return 0 < rid <= MAX_RECORD_ID
 
 
+@functools.lru_cache(maxsize=64)
 def record_geometry(token_count: int, key_bytes: int, payload_bytes: int) -> tuple[int, int, int]:
     """(payload_offset, record_bytes, padded_bytes) of a record."""
     payload_offset = -(-(REC_HEADER_BYTES + 4 * token_count + key_bytes) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
@@ -95,10 +97,15 @@ def record_geometry(token_count: int, key_bytes: int, payload_bytes: int) -> tup
 
 def pack_record_header(*, record_id: int, parent_id: int, created_ns: int, block_index: int,
                        token_count: int, key_bytes: int, payload_offset: int, payload_bytes: int,
-                       record_bytes: int, block_hash: bytes, parent_hash: bytes, data_crc: int) -> bytes:
+                       record_bytes: int, block_hash: bytes, parent_hash: bytes, data_crc: int = 0,
+                       sealed: bool = True) -> bytes:
+    """The 256-byte record header. sealed=False leaves data_crc and header_crc for the
+    encoder to fill (IoEngine.encode_records computes both while it writes the record)."""
     head = REC_HEADER.pack(REC_MAGIC, STORE_FORMAT_VERSION, REC_HEADER_BYTES, 0, record_id, parent_id,
                            created_ns, block_index, token_count, key_bytes, payload_offset, payload_bytes,
                            record_bytes, len(block_hash), b"", block_hash, parent_hash, b"", data_crc, 0)
+    if not sealed:
+        return head
     crc = _io.crc32c(memoryview(head)[:252])
     return head[:252] + crc.to_bytes(4, "little")
 

@@ -255,10 +255,15 @@ def read(store: PersistentStore, rids: list[int], tokens: np.ndarray | None, key
         store._active_reads += 1
     try:
         status, item, where = read_checked(store, recs, tokens, key, out)
-        view = item[1]
-        check_parents(store, recs, status, lambda i: view[where[i]: where[i] + sf.REC_HEADER_BYTES]
-                            .view(sf.REC_DTYPE)[0])
+        # The verified heads of the records that passed, gathered in one step.
+        ok = [i for i in range(len(recs)) if status[i] == "ok" and recs[i].parent]
+        row = {i: k for k, i in enumerate(ok)}
+        if ok:
+            at = np.fromiter((where[i] for i in ok), np.int64, len(ok))
+            heads = item[1][at[:, None] + np.arange(sf.REC_HEADER_BYTES)].view(sf.REC_DTYPE).reshape(-1)
         store._put_staging(item)
+        if ok:
+            check_parents(store, recs, status, lambda i: heads[row[i]])
     finally:
         store._end_read()
     settle(store, rids, recs, status, t0)

@@ -157,8 +157,8 @@ class PersistentStore:
         self.closed = False
         self._direct_seen: bool | None = None  # whether the filesystem took O_DIRECT
         self._gds_ok: bool | None = None
-        self._write_pool = None
         self._gds_files: dict[bytes, object] = {}
+        self._chunk_writer = _writer.ChunkWriter()
 
         t0 = time.perf_counter()
         if self.path.exists() and not self.path.is_dir():
@@ -287,7 +287,7 @@ class PersistentStore:
 
     def _put_staging(self, item) -> None:
         with self._lock:
-            if len(self._staging) < 4:
+            if len(self._staging) < 6:
                 self._staging.append(item)
 
     def _seg_fd(self, seg: SegmentFile) -> int:
@@ -454,13 +454,6 @@ class PersistentStore:
         warnings.warn(f"persistent store {self.path}: batch not persisted ({e}); the memory tiers keep "
                       f"their blocks, SSD writes resume in {retry_after_s:.0f} s", RuntimeWarning, stacklevel=4)
 
-    def _writer(self):
-        """One background thread that writes a chunk while the next one is encoded."""
-        if self._write_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="dsv41-store-writer")
-        return self._write_pool
-
     def _hook(self, stage: str) -> None:
         if self._fault is not None:
             self._fault(stage)
@@ -577,9 +570,7 @@ class PersistentStore:
                     os.close(fd)
                 self._fd_graveyard.clear()
                 self._gds_files.clear()
-            if self._write_pool is not None:
-                self._write_pool.shutdown(wait=True)
-                self._write_pool = None
+            self._chunk_writer.stop()
             self._release_lock()
             self.closed = True
 
