@@ -274,13 +274,8 @@ class PrefixCache:
         """The longest verified cached prefix of `tokens` (at most max_tokens tokens; pass
         len(tokens) - 1 when the last token must still run for its logits)."""
         t0 = time.perf_counter()
-        arr = as_token_array(tokens)
-        limit = arr.size if max_tokens is None else max(0, min(arr.size, int(max_tokens)))
-        B = self.block_tokens
-        nb = limit // B
-        key = self.key(namespace, extra)
-        hashes = self.hasher.hash_blocks(arr[: nb * B], key)
-        tok = arr[: nb * B].reshape(nb, B)
+        arr, limit, key, hashes, tok = self._blocks(tokens, namespace, extra, max_tokens)
+        B, nb = self.block_tokens, len(hashes)
         pool = self.pool
         with pool.lock:
             bids = pool.match(key, hashes, tok)
@@ -314,13 +309,19 @@ class PrefixCache:
         """Tokens of the longest prefix of `tokens` the GPU pool holds right now, looked up
         without referencing, promoting or counting anything: a scheduler's estimate before
         it admits a request (match() then takes the references, and may find more on SSD)."""
+        _, _, key, hashes, tok = self._blocks(tokens, namespace, extra, max_tokens)
+        return len(self.pool.match(key, hashes, tok)) * self.block_tokens
+
+    def _blocks(self, tokens, namespace: str, extra: Sequence[tuple[str, str]], max_tokens: int | None):
+        """(tokens as an array, the token limit, the key, the chained hashes and the token
+        rows of the full blocks within the limit): what match() and peek() look up."""
         arr = as_token_array(tokens)
         limit = arr.size if max_tokens is None else max(0, min(arr.size, int(max_tokens)))
         B = self.block_tokens
         nb = limit // B
         key = self.key(namespace, extra)
         hashes = self.hasher.hash_blocks(arr[: nb * B], key)
-        return len(self.pool.match(key, hashes, arr[: nb * B].reshape(nb, B))) * B
+        return arr, limit, key, hashes, arr[: nb * B].reshape(nb, B)
 
     @profiling.traced("cache.ssd_promote",
                       lambda self, m, tok: {"blocks": len(m.hashes) - m.num_blocks})
