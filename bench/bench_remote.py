@@ -197,7 +197,9 @@ def bench_resume(args, servers, model: Model) -> list[dict]:
         for n in args.prefixes:
             prefix = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
             tail = torch.randint(0, cfg.vocab_size, (args.suffix,), generator=g).tolist()
-            wid = f"resume-{n}-{time.time_ns()}"
+            # A fresh weights identity per prefix (an operator may name weights): nothing an
+            # earlier run left in the servers can hit, so "cold" is cold.
+            model.weights_id = f"resume-{n}-{time.time_ns()}"
             store = tmp / f"ssd-{n}"
 
             def cache(local_ssd: bool, remote: bool) -> PrefixCache:
@@ -207,7 +209,7 @@ def bench_resume(args, servers, model: Model) -> list[dict]:
                                  remote_blocks=servers.blocks_url if remote else None,
                                  remote_snapshots=servers.snapshots_url if remote else None,
                                  remote_lookup_timeout_s=args.lookup_timeout_ms / 1e3)
-                c = PrefixCache(cfg, cc, weights_id=wid)
+                c = PrefixCache.for_model(model, cc)
                 if remote:
                     assert c.remote.wait_connected(30.0)
                 return c
