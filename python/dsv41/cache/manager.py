@@ -118,8 +118,9 @@ class CacheConfig:
     remote_breaker_failures: int = 3
     remote_breaker_cooldown_s: float = 5.0
     # V4's SWA checkpoints on the SSD (cache/swa_checkpoints.py; needs store_dir): every N
-    # tokens and at the end of prompt and output. "auto": the model's default (1024 for V4
-    # models, None for V4.1, whose bounded replay rebuilds the window); None / 0: off.
+    # tokens and at the end of prompt and output. "auto": the model config's
+    # persistent_swa_interval_tokens (V4 presets 1024; None for V4.1, whose bounded replay
+    # rebuilds the window); None / 0: off.
     swa_checkpoint_tokens: int | str | None = "auto"
 
 

@@ -39,16 +39,18 @@ from .remote.record import encode_record, verify_record
 from .remote.snapshot_codec import decode_snapshot, encode_snapshot
 from .swa_pool import TensorSnapshot
 
-__all__ = ["SwaCheckpointStore", "DEFAULT_CHECKPOINT_TOKENS", "default_checkpoint_tokens"]
+__all__ = ["SwaCheckpointStore", "default_checkpoint_tokens"]
 
-DEFAULT_CHECKPOINT_TOKENS = 1024   # V4's cadence
 _SUFFIX = ".swa"
 
 
 def default_checkpoint_tokens(config) -> int | None:
-    """The per-model default: V4 models (overlapping compressor windows, no encoder replay)
-    checkpoint every 1024 tokens; V4.1 models none (bounded replay rebuilds their window)."""
-    return DEFAULT_CHECKPOINT_TOKENS if tuple(getattr(config, "overlap_compress_ratios", ()) or ()) else None
+    """The per-model default, from the model config's own statement of its persistent
+    cache (docs/config.md): `persistent_swa_interval_tokens` when `persistent_swa` (V4
+    presets: 1024), else None (V4.1: bounded replay rebuilds the window, nothing persisted)."""
+    if getattr(config, "persistent_swa", False) and getattr(config, "persistent_swa_interval_tokens", 0):
+        return int(config.persistent_swa_interval_tokens)
+    return None
 
 
 class SwaCheckpointStore:
