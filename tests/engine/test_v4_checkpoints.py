@@ -133,3 +133,14 @@ def test_v4_default_cadence(v4, tmp_path):
         cache.close()
     with pytest.raises(ValueError, match="multiple of block_tokens"):
         PrefixCache.for_model(v4, _cc(tmp_path / "t", swa_checkpoint_tokens=100))
+
+
+def test_v4_checkpoint_once_per_position(v4, tmp_path):
+    """The end of the output on a cadence point (700 + 68 = 768) writes one checkpoint."""
+    cache = PrefixCache.for_model(v4, _cc(tmp_path / "s"), clock=Clock())
+    try:
+        Engine(v4, cache=cache, replay="off").generate([tokens(3, 700)], SamplingParams(max_new_tokens=69))
+        assert _checkpoints(cache) == [256, 512, 700, 768]
+        assert cache.stats()["swa_checkpoints"]["written"] == 4
+    finally:
+        cache.close()

@@ -152,6 +152,9 @@ class PrefixIO:
     def checkpoint(self, seq: Sequence) -> None:
         """Writes the SWA checkpoint of the sequence's state after its tokens so far."""
         cache, state = self.cache, seq.state
+        if seq.checkpointed_at == state.position:   # e.g. a cadence point at the end of output
+            return
+        seq.checkpointed_at = state.position
         snap = snapshot_to_cache(state.snapshot_swa(snapshot_boundary(cache.layout, state.position)))
         n = cache.put_checkpoint(state.tokens, snap, namespace=seq.request.namespace)
         seq.stats.bytes["swa_checkpoint_written"] = seq.stats.bytes.get("swa_checkpoint_written", 0) + n
