@@ -36,7 +36,7 @@ def _cc(path, **kw) -> CacheConfig:
 
 def _checkpoints(cache) -> list[int]:
     d = cache.checkpoints.dir
-    return sorted(int(n.rsplit("-", 1)[1].removesuffix(".swa")) for n in os.listdir(d) if n.endswith(".swa"))
+    return sorted(int(n.split("-")[1]) for n in os.listdir(d) if n.endswith(".swa"))
 
 
 def test_v4_resume_from_checkpoint_equals_live(v4, tmp_path):
@@ -142,5 +142,30 @@ def test_v4_checkpoint_once_per_position(v4, tmp_path):
         Engine(v4, cache=cache, replay="off").generate([tokens(3, 700)], SamplingParams(max_new_tokens=69))
         assert _checkpoints(cache) == [256, 512, 700, 768]
         assert cache.stats()["swa_checkpoints"]["written"] == 4
+    finally:
+        cache.close()
+
+
+def test_sessions_sharing_blocks_keep_their_checkpoints(v4, tmp_path):
+    """Two sessions after the same full blocks: each resumes from its own checkpoint, and
+    looking at the other's (same block hash, other tail) neither serves nor removes it."""
+    clock = Clock()
+    cache = PrefixCache.for_model(v4, _cc(tmp_path / "s"), clock=clock)
+    try:
+        eng = Engine(v4, cache=cache, replay="off")
+        shared = tokens(7, 256)
+        firsts = [shared + tokens(8 + i, 20) for i in range(2)]
+        outs = [eng.generate([p], SP)[0] for p in firsts]
+        seconds = [p + o.output_tokens + tokens(10 + i, 5) for i, (p, o) in enumerate(zip(firsts, outs))]
+        live = [eng.generate([p], SP)[0] for p in seconds]
+        clock.t = 100.0
+        for p, want in zip(seconds, live):
+            o = eng.generate([p], SP)[0]
+            assert o.stats.path == "both_hit" and o.stats.swa_hit_tokens == 277
+            assert torch.equal(o.logits[0], want.logits[0])
+        st = cache.stats()["swa_checkpoints"]
+        # 3 hits: the two resumes, and the second session's first turn, which found the
+        # first session's cadence checkpoint of the shared blocks (256) and resumed there
+        assert st["hits"] == 3 and st["corrupt"] == 0 and st["files"] == st["written"]
     finally:
         cache.close()

@@ -13,10 +13,13 @@ header and data CRC-32C, the token ids, the cache key, then the payload), whose 
 the snapshot encoded by cache/remote/snapshot_codec.py. So a checkpoint is verified exactly
 like every other record: CRC ("corrupt"), cache key = namespace + model fingerprint +
 payload format ("foreign"), then block index, block hash and every token id ("collision").
-Only "ok" is served; any other status is a counted miss and the file is removed.
+Only "ok" is served; any other status is a counted miss, and a corrupt file is removed. A
+whole record of another session after the same full blocks (its tail tokens differ) is
+skipped and kept.
 
-A checkpoint after n tokens is named `<hash of block n//B - 1 (root for n < B)>-<n>.swa`:
-a lookup probes the block boundaries of the hit, longest first, like the host pool. The
+A checkpoint after n tokens is named `<hash of block n//B - 1 (root for n < B)>-<n>-<hash of
+its tail tokens>.swa`: a lookup probes the block boundaries of the hit, longest first, like
+the host pool, and reads only files whose name matches its own prefix. The
 block store (cache/store) stays unchanged: checkpoints are a sibling directory, not a new
 record kind in its segments, so they neither count against nor disturb its chain GC.
 Writes go to a temporary name then rename (fsync'd with durability "fsync"): a crash
@@ -27,6 +30,7 @@ store's; None: unbounded) drops the oldest files first.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -66,7 +70,7 @@ class SwaCheckpointStore:
         self.ttl_s, self.capacity_bytes, self.clock = ttl_s, capacity_bytes, clock
         self._lock = threading.Lock()
         self.counters = {"written": 0, "bytes_written": 0, "hits": 0, "misses": 0, "corrupt": 0,
-                         "foreign": 0, "collision": 0, "expired": 0, "evicted": 0}
+                         "foreign": 0, "collision": 0, "other_tail": 0, "expired": 0, "evicted": 0}
         for name in os.listdir(directory):   # a crash leaves temporary files only: drop them
             if name.endswith(".tmp"):
                 try:
@@ -74,8 +78,13 @@ class SwaCheckpointStore:
                 except OSError:
                     pass
 
-    def _name(self, block_hash: bytes, n: int) -> str:
-        return f"{block_hash.hex()}-{n}{_SUFFIX}"
+    def _name(self, block_hash: bytes, tokens: np.ndarray) -> str:
+        """<block hash>-<tokens>-<16 hex of SHA-256 over the tail's token ids>.swa: sessions
+        after the same full blocks (shared prefix) differ in their tails, so their
+        checkpoints never overwrite each other's."""
+        nb = tokens.size // self.block_tokens * self.block_tokens
+        tail = hashlib.sha256(np.ascontiguousarray(tokens[nb:], dtype="<u4").tobytes()).hexdigest()[:16]
+        return f"{block_hash.hex()}-{tokens.size}-{tail}{_SUFFIX}"
 
     def put(self, key: bytes, tokens, snapshot: TensorSnapshot, hashes: Sequence[bytes], root: bytes) -> int:
         """Writes the checkpoint of the state after exactly `tokens`; `hashes` are the chain
@@ -89,7 +98,7 @@ class SwaCheckpointStore:
         rec = encode_record(key=key, tokens=arr, payload=encode_snapshot(snapshot), block_index=nb,
                             block_hash=bh, parent_hash=root, chain_id=n, parent_chain=0,
                             created_ns=int(self.clock() * 1e9))
-        path = os.path.join(self.dir, self._name(bh, n))
+        path = os.path.join(self.dir, self._name(bh, arr))
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
             f.write(rec)
@@ -124,13 +133,14 @@ class SwaCheckpointStore:
             for name in self._names():
                 if name.startswith(prefix):
                     try:
-                        n = int(name[len(prefix): -len(_SUFFIX)])
+                        n = int(name[len(prefix):].split("-", 1)[0])
                     except ValueError:
                         continue
-                    if n // B == nb and n <= limit:
-                        cands.append(n)
+                    if n // B == nb and n <= limit and name == self._name(bh, arr[:n]):
+                        cands.append(n)   # the name's tail hash matches: only this prefix's
             for n in sorted(cands, reverse=True):
-                snap = self._load(os.path.join(self.dir, self._name(bh, n)), key, arr[:n], nb, bh, root, now)
+                snap = self._load(os.path.join(self.dir, self._name(bh, arr[:n])), key, arr[:n], nb, bh, root,
+                                  now)
                 if snap is not None:
                     with self._lock:
                         self.counters["hits"] += 1
@@ -147,9 +157,15 @@ class SwaCheckpointStore:
         except OSError:
             return None
         v = verify_record(data, key=key, block_index=nb, block_hash=bh, parent_hash=root, parent_chain=0,
-                          tokens=want, chain_id=want.size)
+                          chain_id=want.size)
         if v.status != "ok":
             self._drop(path, v.status)   # corrupt / foreign / collision: a miss, never served
+            return None
+        if not np.array_equal(v.tokens, want):
+            # Another session's checkpoint after the same full blocks (its tail differs): a
+            # valid record that is not this prefix - skipped, kept for its own session.
+            with self._lock:
+                self.counters["other_tail"] += 1
             return None
         if self.ttl_s is not None and now - v.created_ns / 1e9 > self.ttl_s:
             self._drop(path, "expired")
@@ -164,8 +180,8 @@ class SwaCheckpointStore:
     def _drop(self, path: str, why: str) -> None:
         with self._lock:
             self.counters[why] = self.counters.get(why, 0) + 1
-        if why == "foreign":
-            return   # another namespace's valid checkpoint under a colliding name: keep it
+        if why in ("foreign", "collision"):
+            return   # a whole record of another key or chain under a colliding name: keep it
         try:
             os.unlink(path)
         except OSError:
