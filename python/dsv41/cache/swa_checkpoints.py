@@ -126,11 +126,12 @@ class SwaCheckpointStore:
         arr = as_token_array(tokens)
         B = self.block_tokens
         now = self.clock()
+        names = self._names()   # one directory listing per lookup
         for nb in range(min(max_blocks, limit // B, len(hashes)), -1, -1):
             bh = hashes[nb - 1] if nb else root
             prefix = bh.hex() + "-"
             cands = []
-            for name in self._names():
+            for name in names:
                 if name.startswith(prefix):
                     try:
                         n = int(name[len(prefix):].split("-", 1)[0])
