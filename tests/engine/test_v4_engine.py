@@ -26,8 +26,8 @@ def test_v4_resume_and_recompute_equal_live(v4, tmp_path):
     clock = Clock()
     cc = CacheConfig(block_tokens=128, device="cpu", gpu_capacity_bytes=1 << 24,
                      swa_capacity_bytes=1 << 26, swa_ttl_s=10.0, store_dir=str(tmp_path / "s"),
-                     store_durability="none")
-    cache = PrefixCache.for_model(v4, cc, clock=clock)
+                     store_durability="none", swa_checkpoint_tokens=None)  # no SSD checkpoints:
+    cache = PrefixCache.for_model(v4, cc, clock=clock)  # their resume is tests/engine/test_v4_checkpoints.py
     try:
         eng = Engine(v4, cache=cache, replay="off")
         p1 = tokens(1, 133)

@@ -64,6 +64,7 @@ from .metrics import CacheMetrics
 from .remote import hook as _remote
 from .store import DEFAULT_SEGMENT_BYTES, DEFAULT_TTL_S, PersistentStore, StoreIdentity
 from .swa_pool import DEFAULT_TTL_S as SWA_TTL_S
+from .swa_checkpoints import SwaCheckpointStore, default_checkpoint_tokens
 from .swa_pool import SwaSnapshotPool, TensorSnapshot
 
 __all__ = ["CacheConfig", "PrefixMatch", "PrefixCache", "StoreDisabledWarning"]
@@ -116,6 +117,11 @@ class CacheConfig:
     remote_queue_items: int = 256             # queued writes before new ones are dropped
     remote_breaker_failures: int = 3
     remote_breaker_cooldown_s: float = 5.0
+    # V4's SWA checkpoints on the SSD (cache/swa_checkpoints.py; needs store_dir): every N
+    # tokens and at the end of prompt and output. "auto": the model config's
+    # persistent_swa_interval_tokens (V4 presets 1024; None for V4.1, whose bounded replay
+    # rebuilds the window); None / 0: off.
+    swa_checkpoint_tokens: int | str | None = "auto"
 
 
 @dataclass
@@ -133,6 +139,7 @@ class PrefixMatch:
     ssd_blocks: int = 0           # blocks loaded from the SSD tier into the pool
     remote_blocks: int = 0        # blocks loaded from the remote tier into the pool
     remote_snapshot: bool = False  # the snapshot came from the remote tier
+    checkpoint_snapshot: bool = False  # the snapshot came from an SWA checkpoint on the SSD
     snapshot: TensorSnapshot | None = None
     released: bool = field(default=False, repr=False)
 
@@ -185,6 +192,12 @@ class PrefixCache:
         self.store_disabled: str | None = None   # why the configured store is not used
         if cc.store_dir is not None:
             self.store = self._open_store(cc, clock, store_fault)
+        self.checkpoint_tokens = self._checkpoint_cadence(cc, config)
+        self.checkpoints = None
+        if self.store is not None and self.checkpoint_tokens:
+            self.checkpoints = SwaCheckpointStore(
+                f"{cc.store_dir}/swa_checkpoints", cc.block_tokens, durability=cc.store_durability,
+                ttl_s=cc.store_ttl_s, capacity_bytes=cc.store_capacity_bytes, clock=clock)
         self._persist_lock = threading.Lock()
         self._committer = None
         if self.store is not None and cc.store_write_behind_bytes > 0:
@@ -198,6 +211,17 @@ class PrefixCache:
                     "weights_id (see the store warning's fix) before PrefixCache.for_model(model, ...)")
             else:
                 self.remote = _remote.open_tier(self)
+
+    def _checkpoint_cadence(self, cc: CacheConfig, config: ModelConfig) -> int | None:
+        n = cc.swa_checkpoint_tokens
+        if n == "auto":
+            n = default_checkpoint_tokens(config)
+        if n is None or n == 0:
+            return None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n % cc.block_tokens:
+            raise ValueError(f"swa_checkpoint_tokens must be 'auto', None or a multiple of block_tokens "
+                             f"({cc.block_tokens}), got {n!r}")
+        return n
 
     @classmethod
     def for_model(cls, model, cache_config: CacheConfig | None = None, **kw) -> "PrefixCache":
@@ -293,7 +317,12 @@ class PrefixCache:
                 m.snapshot = snap
         if self.remote is not None and m.snapshot is None:
             _remote.find_snapshot(self, m, arr, limit)
-        hits = {"gpu": m.gpu_blocks * B, "ssd": m.ssd_blocks * B, "swa": 0 if m.remote_snapshot else m.snapshot_tokens}
+        if self.checkpoints is not None and m.snapshot is None:
+            self._find_checkpoint(m, arr, limit)
+        local_swa = 0 if (m.remote_snapshot or m.checkpoint_snapshot) else m.snapshot_tokens
+        hits = {"gpu": m.gpu_blocks * B, "ssd": m.ssd_blocks * B, "swa": local_swa}
+        if self.checkpoints is not None:
+            hits["ssd_swa"] = m.snapshot_tokens if m.checkpoint_snapshot else 0
         if self.remote is not None:
             hits.update(remote=m.remote_blocks * B, remote_swa=m.snapshot_tokens if m.remote_snapshot else 0)
         self.metrics.record_lookup(arr.size, hits)
@@ -526,6 +555,29 @@ class PrefixCache:
             return False
         return self.swa.put(self.key(namespace, extra), tokens, snapshot, hashes)
 
+    def _find_checkpoint(self, m: PrefixMatch, arr: np.ndarray, limit: int) -> None:
+        snap = self.checkpoints.get(m.key, arr, m.hashes, self.hasher.root(m.key),
+                                    max_blocks=m.num_blocks, limit=limit)
+        if snap is None:
+            return
+        m.snapshot, m.checkpoint_snapshot = snap, True
+        if self.swa is not None:  # promoted: the session's next turn finds it in host memory
+            self.swa.put(m.key, arr[: snap.num_tokens], snap, m.hashes[: snap.num_tokens // self.block_tokens])
+
+    @profiling.traced("cache.put_checkpoint", lambda self, tokens, *a, **k: {"tokens": len(tokens)})
+    def put_checkpoint(self, tokens, snapshot: TensorSnapshot, namespace: str = "",
+                       extra: Sequence[tuple[str, str]] = ()) -> int:
+        """Writes the SWA checkpoint of the state after exactly `tokens` to the SSD (V4's
+        SWA persistence; the engine calls it every checkpoint_tokens tokens and at the end
+        of prompt and output). Returns the bytes written; 0 when checkpoints are off."""
+        if self.checkpoints is None:
+            return 0
+        key = self.key(namespace, extra)
+        arr = as_token_array(tokens)[: snapshot.num_tokens]
+        nb = arr.size // self.block_tokens
+        hashes = self.hasher.hash_blocks(arr[: nb * self.block_tokens], key)
+        return self.checkpoints.put(key, arr, snapshot, hashes, self.hasher.root(key))
+
     def release(self, match: PrefixMatch) -> None:
         if match.released:
             return
@@ -543,10 +595,12 @@ class PrefixCache:
                "model_fingerprint": self.fingerprint, "weights_id": self.weights_id,
                "store_disabled": self.store_disabled, "gpu": self.pool.stats(),
                "swa": self.swa.stats() if self.swa is not None else None,
-               "ssd": self.store.stats() if self.store is not None else None}
+               "ssd": self.store.stats() if self.store is not None else None,
+               "swa_checkpoints": self.checkpoints.stats() if self.checkpoints is not None else None}
         m = self.metrics
         asked = m.lookup_tokens.value()
-        tiers = ("gpu", "ssd", "swa") + (("remote", "remote_swa") if self.remote is not None else ())
+        tiers = ("gpu", "ssd", "swa") + (("remote", "remote_swa") if self.remote is not None else ()) \
+            + (("ssd_swa",) if self.checkpoints is not None else ())
         out["hit_rate"] = {t: (m.hit_tokens.value(tier=t) / asked if asked else 0.0) for t in tiers}
         out["remote"] = self.remote.stats() if self.remote is not None else None
         out["metrics"] = m.to_dict()

@@ -98,7 +98,8 @@ def run_demo(args, out=None, err=None) -> dict:
                  f"{'' if ok else ' (not reachable yet: lookups miss until it is)'}")
     # Encoder replay over cached global KV needs every compressor's state at a block
     # boundary to be a function of the cached entries; V4's overlapping windows carry the
-    # previous block's projections, so V4 models resume from SWA snapshots or recompute.
+    # previous block's projections, so V4 models resume from SWA snapshots (after the TTL
+    # from their SWA checkpoints on the SSD, cache/swa_checkpoints.py) or recompute.
     replay = "off" if config.overlap_compress_ratios else "bounded"
     engine = Engine(model, cache=cache, replay=replay, max_batch=args.conversations)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
@@ -186,6 +187,8 @@ def run_demo(args, out=None, err=None) -> dict:
         "bytes": {"global_kv_gpu_pool": stats["gpu"]["cached_blocks"] * stats["gpu"]["block_bytes"],
                   "swa_snapshots_host": stats["swa"]["used_bytes"] if stats["swa"] else 0,
                   "global_kv_ssd": stats["ssd"]["live_bytes"] if stats["ssd"] else 0,
+                  "swa_checkpoints_ssd": (stats["swa_checkpoints"]["bytes_on_disk"]
+                                          if stats["swa_checkpoints"] else 0),
                   "global_kv_per_token": cache.layout.block_bytes // cache.block_tokens,
                   "read": {k: v for k, v in m.get("bytes_read", {}).items()} if isinstance(m, dict) else {},
                   "written": {k: v for k, v in m.get("bytes_written", {}).items()} if isinstance(m, dict) else {}},
@@ -221,7 +224,7 @@ def _print_text(result: dict, out) -> None:
     b = s["bytes"]
     p(f"bytes per ledger: global KV {b['global_kv_per_token']} B/token; GPU pool "
       f"{b['global_kv_gpu_pool']:,} B; SWA snapshots (host) {b['swa_snapshots_host']:,} B; "
-      f"SSD store {b['global_kv_ssd']:,} B")
+      f"SSD store {b['global_kv_ssd']:,} B; SWA checkpoints (SSD) {b['swa_checkpoints_ssd']:,} B")
     w = s["warmup"]
     p(f"shared prefix warm-up: {w['path']}, prefill {w['prefill_tokens']} tokens "
       f"(SSD hit {w['ssd_hit_tokens']}), TTFT {w['ttft_ms']:.1f} ms")

@@ -126,7 +126,9 @@ class Engine:
         # run
         self.counters["steps"] += 1
         t0 = self.clock()
-        logits = self.runner.run(step.prefills, step.decodes)
+        every = self.prefix.checkpoint_tokens
+        logits = self.runner.run(step.prefills, step.decodes,
+                                 self.prefix.prefill_checkpoints if every else None, self.prefix.checkpoint)
         now = self.clock()
         done: list[RequestOutput] = []
         for seq, lg in zip(step.prefills, logits[: len(step.prefills)]):
@@ -147,6 +149,8 @@ class Engine:
             self._emit(seq, lg, now, done)
         for seq, lg in zip(step.decodes, logits[len(step.prefills):]):
             self.counters["decode_tokens"] += 1
+            if every and self.prefix.decode_checkpoint_due(seq):
+                self.prefix.checkpoint(seq)  # V4's SWA checkpoint every `every` tokens
             self._emit(seq, lg, now, done)
         return done
 

@@ -114,11 +114,50 @@ class PrefixIO:
                                      namespace=seq.request.namespace)
         written = (nb - have) * cache.layout.block_bytes if nb > have else 0
         seq.stats.bytes["global_written"] = seq.stats.bytes.get("global_written", 0) + written
-        swa_ok = plan.swa_exact or (self.write_approximate and not plan.decoder_replay)
+        swa_ok = self._swa_ok(seq)
+        if swa_ok and cache.checkpoints is not None:
+            self.checkpoint(seq)     # end of prompt / end of output
         if swa_ok and cache.swa is not None:
             snap = snapshot_to_cache(state.snapshot_swa(snapshot_boundary(cache.layout, state.position)))
             if cache.put_snapshot(state.tokens, snap, namespace=seq.request.namespace):
                 seq.stats.bytes["swa_written"] = seq.stats.bytes.get("swa_written", 0) + snap.nbytes
+
+    def _swa_ok(self, seq: Sequence) -> bool:
+        """The state's SWA part may be cached (see the write-back rule above)."""
+        plan = seq.plan
+        return plan.swa_exact or (self.write_approximate and not plan.decoder_replay)
+
+    # ---- V4's SWA checkpoints on the SSD (cache/swa_checkpoints.py) ---------------------
+
+    @property
+    def checkpoint_tokens(self) -> int | None:
+        """The checkpoint cadence, or None when the cache writes no SWA checkpoints."""
+        c = self.cache
+        return c.checkpoint_tokens if c is not None and c.checkpoints is not None else None
+
+    def prefill_checkpoints(self, seq: Sequence) -> list[int]:
+        """Positions strictly inside this prefill, multiples of the cadence, where the
+        state is exact (at or past the imported global KV) and a checkpoint is due."""
+        N, plan = self.checkpoint_tokens, seq.plan
+        if not N or plan.decoder_replay or seq.request.sampling.input_logprobs \
+                or not (plan.global_exact or self.write_approximate) or not self._swa_ok(seq):
+            return []
+        lo = max(plan.start, plan.cached_until or 0, seq.state.position)
+        return [b for b in range((lo // N + 1) * N, len(seq.prompt), N)]
+
+    def decode_checkpoint_due(self, seq: Sequence) -> bool:
+        N = self.checkpoint_tokens
+        return bool(N) and seq.state.position % N == 0 and self._swa_ok(seq)
+
+    def checkpoint(self, seq: Sequence) -> None:
+        """Writes the SWA checkpoint of the sequence's state after its tokens so far."""
+        cache, state = self.cache, seq.state
+        if seq.checkpointed_at == state.position:   # e.g. a cadence point at the end of output
+            return
+        seq.checkpointed_at = state.position
+        snap = snapshot_to_cache(state.snapshot_swa(snapshot_boundary(cache.layout, state.position)))
+        n = cache.put_checkpoint(state.tokens, snap, namespace=seq.request.namespace)
+        seq.stats.bytes["swa_checkpoint_written"] = seq.stats.bytes.get("swa_checkpoint_written", 0) + n
 
     def release(self, seq: Sequence) -> None:
         """Drops the sequence's references on cached blocks (its match)."""

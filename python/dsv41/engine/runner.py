@@ -2,6 +2,8 @@
 without decoder replay) and every decode as one `extend_batch` call."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .. import profiling
@@ -15,13 +17,21 @@ class ModelRunner:
     def __init__(self, model: Model):
         self.model = model
 
-    def run(self, prefills: list[Sequence], decodes: list[Sequence]) -> list[torch.Tensor]:
+    def run(self, prefills: list[Sequence], decodes: list[Sequence],
+            checkpoints: Callable[[Sequence], list[int]] | None = None,
+            checkpoint: Callable[[Sequence], None] | None = None) -> list[torch.Tensor]:
         """Logits per sequence, prefills first: [vocab], or [T, vocab] for a prefill that
-        asked for input logprobs."""
+        asked for input logprobs. checkpoints(seq): the positions inside a prefill where
+        V4's SWA checkpoints are due; the prefill runs up to each first (the engine's
+        PrefixIO), then checkpoint(seq) writes it."""
         items = []
         for seq in prefills:
             p = seq.plan
-            items.append(Extend(seq.prompt[p.start:], seq.state, swa_start=p.swa_start,
+            for b in (checkpoints(seq) if checkpoints is not None else ()):
+                self.model.extend_batch([Extend(seq.prompt[seq.state.position:b], seq.state, swa_start=p.swa_start,
+                                                cached_until=p.cached_until)])
+                checkpoint(seq)
+            items.append(Extend(seq.prompt[seq.state.position:], seq.state, swa_start=p.swa_start,
                                 cached_until=p.cached_until,
                                 decoder_start=p.decoder_start if p.decoder_replay else None,
                                 all_logits=seq.request.sampling.input_logprobs))

@@ -29,6 +29,7 @@ class Sequence:
     state: SequenceState | None = None
     plan: ReplayPlan | None = None
     match: object | None = None               # cache.PrefixMatch while running
+    checkpointed_at: int = -1                 # position of its last SWA checkpoint on the SSD
     generator: torch.Generator | None = None
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
