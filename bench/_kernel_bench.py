@@ -7,12 +7,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from _meta import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
@@ -99,14 +99,6 @@ def measured_ceilings() -> dict:
     out = {"copy_TBps": _copy_TBps(), "bf16_matmul_TFLOPs": _bf16_matmul_TFLOPs()}
     torch.cuda.empty_cache()  # the helpers' buffers are gone with their frames
     return out
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=ROOT,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def report(name: str, results, extra: dict | None = None) -> dict:

@@ -32,7 +32,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+from _meta import git_commit  # noqa: E402  (bench/ is on sys.path when run as a script)
 import dsv41  # noqa: E402
 from dsv41.cache import CacheConfig, PrefixCache, TensorSnapshot  # noqa: E402
 from dsv41.cache import io as cio  # noqa: E402
@@ -448,11 +448,7 @@ def main(argv=None) -> int:
     p.add_argument("--gap-ms", type=float, default=300.0, help="request section: spacing of spaced arrivals")
     args = p.parse_args(argv)
     sections = args.only or ["store", "request", "lookup", "snapshot"] + (["device"] if args.device == "cuda" else [])
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    commit = git_commit()
     out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit, "host": platform.node(),
            "command": " ".join(["python", "bench/bench_cache.py", *(argv if argv is not None else sys.argv[1:])]),
            "load_average_start": os.getloadavg(), "cpus": os.cpu_count(), "torch": torch.__version__,

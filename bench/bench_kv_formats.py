@@ -16,23 +16,15 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from _meta import git_commit  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from dsv41 import Model, ModelConfig  # noqa: E402
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def measure(preset: str, length: int, prompts: int, seed: int) -> dict:
@@ -76,7 +68,7 @@ def main() -> int:
               f"{row['top1_agreement']:.4f}  max|dlogit| {row['max_abs_logit_diff']:.3f}",
               flush=True)
     out = {"benchmark": "kv_formats", "date": datetime.date.today().isoformat(),
-           "commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "commit": git_commit() or "unknown", "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "machine": platform.platform(), "torch_threads": torch.get_num_threads(),
            "load_average_1m": os.getloadavg()[0], "results": rows}
     if args.json:

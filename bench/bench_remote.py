@@ -25,7 +25,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from _meta import git_commit  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 import dsv41  # noqa: E402
 from dsv41 import Model, ModelConfig  # noqa: E402
@@ -271,11 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-resume", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    commit = git_commit()
     out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
            "command": "python bench/bench_remote.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__, "dsv41": dsv41.__version__,

@@ -37,6 +37,8 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
+from _meta import git_commit  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 
 def log(msg: str) -> None:
     print(f"[bench_serve] {msg}", file=sys.stderr, flush=True)
@@ -264,7 +266,7 @@ def main(argv=None) -> int:
 
     result = {"bench": "bench_serve", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "command": "python bench/bench_serve.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "commit": _commit(), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "commit": git_commit(), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
               "config": vars(args), "runs": {}}
     for name, cache in (("cache_on", True), ("cache_off", False)):
         srv = ServerProcess(args, cache)
@@ -297,12 +299,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 if __name__ == "__main__":

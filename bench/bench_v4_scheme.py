@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
+from _meta import git_commit  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from dsv41.budget import compare, kv_budget  # noqa: E402
 from dsv41.cache import CacheConfig, PrefixCache  # noqa: E402
@@ -137,8 +137,7 @@ def main() -> None:
         return {"global_ratio": c.global_ratio, "persistent_ratio": c.persistent_ratio}
 
     flash = computed("v41-flash", "v4-flash")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit() or ""
     out = {
         "bench": "bench_v4_scheme", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "commit": commit, "command": "OMP_NUM_THREADS=1 PYTHONPATH=python python " + " ".join(sys.argv),

@@ -16,7 +16,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from _meta import git_commit  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from dsv41 import Model  # noqa: E402
 
@@ -60,14 +60,6 @@ def hf_model(seed: int):
                 b.copy_(torch.rand(b.shape[0], cfg.n_routed_experts, generator=g)
                         .argsort(-1)[:, :b.shape[1]])
     return transformers, model
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:
@@ -129,7 +121,7 @@ def main() -> int:
               f"{row['dsv41_production_vs_reference_speed']:.2f}x reference); last-token logits "
               f"float32 diff {row['dsv41_float32_last_logits_max_abs_diff']:.1e}", flush=True)
     out = {"benchmark": "vs_transformers", "date": datetime.date.today().isoformat(),
-           "commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "commit": git_commit() or "unknown", "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "machine": platform.platform(), "torch_threads": torch.get_num_threads(),
            "transformers_version": transformers.__version__, "model": hf.config.to_dict(),
            "results": rows}
