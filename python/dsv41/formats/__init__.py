@@ -22,6 +22,7 @@ import torch
 
 from .. import profiling
 from . import layout, reference
+from ._inputs import check_float32_values
 from . import reference as _ref  # the parameter `reference` shadows the module name
 from .fp8_v4 import dequantize_fp8_v4, fp8_v4_split, quantize_fp8_v4, quantize_fp8_v4_into
 from .layout import (FP8_SWA_BLOCK, FP8_V4_AMAX_FLOOR, MXFP4_BLOCK, NVFP4_BLOCK, BlockFormat,
@@ -49,12 +50,7 @@ class _Format:
                              if spec.scale_dtype == torch.uint8 else (spec.scale_dtype,))
 
     def check_input(self, x: torch.Tensor, op: str) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != torch.float32:
-            raise TypeError(f"{op}: x must be float32, got {x.dtype}")
-        if x.dim() < 1:
-            raise ValueError(f"{op}: x must have at least one dimension")
+        check_float32_values(x, op)
         if x.shape[-1] % self.block:
             raise ValueError(f"{op}: last dimension ({x.shape[-1]}) must be a multiple of the "
                              f"{self.block}-value block")

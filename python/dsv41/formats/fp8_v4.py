@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import reference as _ref
+from ._inputs import check_float32_values
 from .layout import FP8_V4_AMAX_FLOOR, Fp8V4Layout
 
 __all__ = ["quantize_fp8_v4", "quantize_fp8_v4_into", "dequantize_fp8_v4", "fp8_v4_split"]
@@ -43,12 +44,7 @@ def _check_floor(amax_floor, op: str) -> float:
 
 
 def _check_x(x, rope_dim, op: str) -> Fp8V4Layout:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.float32:
-        raise TypeError(f"{op}: x must be float32, got {x.dtype}")
-    if x.dim() < 1:
-        raise ValueError(f"{op}: x must have at least one dimension")
+    check_float32_values(x, op)
     return _layout(x.shape[-1], rope_dim, op)
 
 
