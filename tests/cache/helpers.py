@@ -93,3 +93,26 @@ def open_store(path, **kw) -> PersistentStore:
 
 __all__ = ["TINY", "B", "LAYOUT", "FP", "weak_hash", "identity", "key", "payload_for", "chain_payloads",
            "write_chain", "token_rows", "load_all", "rand_tokens", "open_store", "sha256"]
+
+
+def kill_during(child, delay_s: float) -> str:
+    """Forks; the child runs child(wfd) (it writes its progress to wfd and never returns),
+    the parent SIGKILLs it after delay_s and returns everything it wrote."""
+    import os
+    import signal
+    import time
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child never returns
+        os.close(r)
+        child(w)
+    os.close(w)
+    time.sleep(delay_s)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.close(r)
+    return data.decode()

@@ -13,8 +13,6 @@ and compared, including records committed just before a kill that never got repo
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ import pytest
 from dsv41.cache.hashing import decode_key
 from dsv41.cache.persistent import PersistentStore
 
-from .helpers import B, chain_payloads, identity, key, load_all, token_rows, write_chain
+from .helpers import B, chain_payloads, identity, key, kill_during, load_all, token_rows, write_chain
 
 KILLS = 30
 
@@ -93,20 +91,9 @@ def test_sigkill_at_random_points_never_loses_or_serves_torn_data(tmp_path, dura
     deleted: set[int] = set()
     sizes = []
     for k in range(KILLS // 2):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child never returns
-            os.close(r)
-            _writer(path, int(rng.integers(1 << 31)), w, durability)
-        os.close(w)
-        time.sleep(float(rng.uniform(0.0, 0.12)))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        data = b""
-        while chunk := os.read(r, 1 << 16):
-            data += chunk
-        os.close(r)
-        for line in data.decode().splitlines():
+        seed = int(rng.integers(1 << 31))
+        text = kill_during(lambda w: _writer(path, seed, w, durability), float(rng.uniform(0.0, 0.12)))
+        for line in text.splitlines():
             if line.startswith("D "):
                 deleted.add(int(line[2:]))
             elif line.startswith("C "):

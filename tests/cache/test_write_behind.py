@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +17,7 @@ import torch
 from dsv41.cache import CacheConfig, PrefixCache
 from dsv41.cache.manager import DEFAULT_WRITE_BEHIND_BYTES
 
-from .helpers import B, LAYOUT, TINY, WEIGHTS_ID, chain_payloads, rand_tokens
+from .helpers import B, LAYOUT, TINY, WEIGHTS_ID, chain_payloads, kill_during, rand_tokens
 
 BB = LAYOUT.block_bytes
 
@@ -163,21 +161,10 @@ def test_sigkill_never_loses_an_acknowledged_block(tmp_path):
     make(path).close()
     acked: list[int] = []
     for _ in range(6):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child never returns
-            os.close(r)
-            _child(path, int(rng.integers(1 << 31)), w)
-        os.close(w)
-        time.sleep(float(rng.uniform(0.2, 0.6)))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        data = b""
-        while chunk := os.read(r, 1 << 16):
-            data += chunk
-        os.close(r)
-        assert "\nE " not in "\n" + data.decode(), data.decode()
-        now = [int(x) for line in data.decode().splitlines() if line.startswith("A ") for x in line[2:].split()]
+        seed = int(rng.integers(1 << 31))
+        text = kill_during(lambda w: _child(path, seed, w), float(rng.uniform(0.2, 0.6)))
+        assert "\nE " not in "\n" + text, text
+        now = [int(x) for line in text.splitlines() if line.startswith("A ") for x in line[2:].split()]
         # Right after the kill: the chains acknowledged last, the ones most at risk.
         _check_acked(path, now[-40:])
         acked += now
