@@ -159,7 +159,8 @@ def _spread(pieces: list[str], regions: list[tuple[int, int]], task: str) -> lis
 
 class Task:
     """A task generator and its scorer. Subclasses set `name`, `pieces_for(rng)` ->
-    (pieces, question, answer, followup) and `score(answer, outputs)`."""
+    (pieces, question, answer, followup), `reference_outputs(answer)` and
+    `score(answer, outputs)`."""
 
     name = ""
     structured = False      # scored for structured-output validity
@@ -174,6 +175,12 @@ class Task:
                             placement=placement, followup=followup)
 
     def pieces_for(self, rng: random.Random):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def reference_outputs(self, answer: dict) -> list[str]:  # pragma: no cover - abstract
+        """The text of each turn a perfect model answers (the first turn, then the
+        follow-up's), without the stop token: what `score` accepts and dsv41.train
+        teaches."""
         raise NotImplementedError
 
     def score(self, answer: dict, outputs: list[str]) -> dict:

@@ -19,6 +19,10 @@ class CodeEdit(Task):
         return ([piece], q, {"name": name, "old": old, "new": old + add},
                 "\nQ: again?\nA: ")
 
+    def reference_outputs(self, answer):
+        line = f"{answer['name']} = {answer['new']}"
+        return [line, line]
+
     def score(self, answer, outputs):
         lines = [ln.strip() for ln in outputs[-1].split("\n") if ln.strip()]
         got = " ".join(lines[0].split()) if lines else ""

@@ -3,6 +3,8 @@ fields. Valid = the first {...} of the output parses as a JSON object; success =
 every field equal (age as an int or its digits as a string)."""
 from __future__ import annotations
 
+import json
+
 from .base import Task, first_json_object
 
 _FIRST = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Ken", "Frances"]
@@ -18,6 +20,12 @@ class Extraction(Task):
         piece = f" name={rec['name']};age={rec['age']};city={rec['city']}. "
         return ([piece], '\nQ: as JSON?\nA: ', {"record": rec},
                 "\nQ: again?\nA: ")
+
+    def reference_outputs(self, answer):
+        rec = answer["record"]
+        text = json.dumps({"name": rec["name"], "age": rec["age"], "city": rec["city"]},
+                          separators=(",", ":"))
+        return [text, text]
 
     def score(self, answer, outputs):
         obj, _ = first_json_object(outputs[-1])

@@ -12,5 +12,8 @@ class Passkey(Task):
         return ([f" pass key {key}. "], "\nQ: pass key?\nA: ",
                 {"key": key}, "\nQ: again?\nA: ")
 
+    def reference_outputs(self, answer):
+        return [answer["key"], answer["key"]]
+
     def score(self, answer, outputs):
         return {"success": first_number(outputs[-1]) == answer["key"], "valid": None}

@@ -7,6 +7,8 @@ the call names `lookup` with the right id and, when a second turn ran, its answe
 balance the tool returned."""
 from __future__ import annotations
 
+import json
+
 from .base import Task, first_json_object, first_number
 
 
@@ -21,6 +23,10 @@ class ToolLoop(Task):
         q = "\nQ: call the tool\nA: "
         follow = f'\nTOOL RESULT: {{"id": "{cid}", "balance": {balance}}}\nQ: balance?\nA: '
         return pieces, q, {"id": cid, "balance": str(balance)}, follow
+
+    def reference_outputs(self, answer):
+        return [json.dumps({"tool": "lookup", "id": answer["id"]}, separators=(",", ":")),
+                answer["balance"]]
 
     def score(self, answer, outputs):
         call, _ = first_json_object(outputs[0])
