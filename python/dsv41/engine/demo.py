@@ -72,12 +72,19 @@ def run_demo(args, out=None, err=None) -> dict:
             print(msg, file=err, flush=True)
 
     t_start = time.perf_counter()
-    config = ModelConfig.preset(args.preset)
-    progress(f"[demo] model {config.name} (synthetic weights, seed {args.seed}), "
-             f"window {config.sliding_window}")
     device = "cpu"
-    model = Model.synthetic(config, seed=args.seed, device=device,
-                            precision=default_precision(device))
+    if args.model:
+        from ..checkpoints import resolve
+        model = Model.from_pretrained(resolve(args.model), device=device,
+                                      precision=default_precision(device))
+        config = model.config
+        what = f"checkpoint {args.model}"
+    else:
+        config = ModelConfig.preset(args.preset)
+        model = Model.synthetic(config, seed=args.seed, device=device,
+                                precision=default_precision(device))
+        what = f"synthetic weights, seed {args.seed}"
+    progress(f"[demo] model {config.name} ({what}), window {config.sliding_window}")
     root = Path(args.cache_dir) / config.name
     if args.fresh and root.exists():
         shutil.rmtree(root)
@@ -239,6 +246,9 @@ def _print_text(result: dict, out) -> None:
 def add_demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="an agent workload through the engine and the tiered cache")
     d.add_argument("--preset", default="v41-tiny", help="embedded model preset (synthetic weights)")
+    d.add_argument("--model", default=None, metavar="DIR|NAME",
+                   help="a checkpoint directory or a shipped checkpoint (v41-tiny-tasks: the "
+                        "trained task model) instead of the synthetic preset")
     d.add_argument("--cache-dir", default="./dsv41-demo-cache", help="where the persistent store lives")
     d.add_argument("--fresh", action="store_true", help="empty the cache dir first")
     d.add_argument("--conversations", type=int, default=3)

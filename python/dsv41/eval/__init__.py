@@ -35,14 +35,20 @@ def default_contract() -> Contract:
 
 
 def load_model(spec: dict, model_dir: str | None = None, device: str | None = None):
-    """(model, source record): a checkpoint directory (model_dir or spec["checkpoint"]) or
-    a synthetic preset (spec["preset"], spec["seed"])."""
+    """(model, source record): a checkpoint directory or shipped checkpoint name (model_dir,
+    spec["checkpoint"] or spec["shipped"]; dsv41.checkpoints) or a synthetic preset
+    (spec["preset"], spec["seed"])."""
+    from ..checkpoints import resolve, shipped_path
     from ..config import ModelConfig
     from ..model import Model
 
     dev = device or "cpu"
+    if model_dir is None and spec.get("shipped"):
+        path = shipped_path(spec["shipped"])
+        return Model.from_pretrained(path, device=dev), {"shipped": spec["shipped"]}
     path = model_dir or spec.get("checkpoint")
     if path:
+        path = resolve(path)
         return Model.from_pretrained(path, device=dev), {"checkpoint": str(Path(path).resolve())}
     seed = int(spec.get("seed", 0))
     return (Model.synthetic(ModelConfig.preset(spec["preset"]), seed=seed, device=dev),

@@ -15,13 +15,13 @@ def add_eval_parser(sub) -> None:
                        description="Run every cell of MATRIX through the four cache states and the "
                                    "replay switches, judge CONTRACT, write report.md, results.json and "
                                    "plots into OUT. With no arguments: the shipped matrix and contract "
-                                   "on the synthetic v41-tiny model.")
+                                   "on the shipped trained model v41-tiny-tasks.")
     p.add_argument("--matrix", metavar="MATRIX.yaml", help="the matrix (default: the shipped one)")
     p.add_argument("--contract", metavar="CONTRACT.yaml", help="the pass criteria (default: the shipped one)")
     p.add_argument("--out", metavar="DIR", default="dsv41-eval", help="output directory (default: dsv41-eval); "
                    "an interrupted run there resumes")
-    p.add_argument("--model", metavar="DIR", help="a checkpoint directory (save_pretrained layout); "
-                   "overrides the matrix's model")
+    p.add_argument("--model", metavar="DIR|NAME", help="a checkpoint directory (save_pretrained "
+                   "layout) or a shipped checkpoint's name (v41-tiny-tasks); overrides the matrix's model")
     p.add_argument("--device", default=None, help="device for the model (default cpu)")
     p.add_argument("--fresh", action="store_true", help="discard an earlier run in OUT instead of resuming")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -6,7 +6,8 @@
 A matrix file (every key but `dimensions` optional; defaults shown):
 
     name: default
-    model: {preset: v41-tiny, seed: 0}    # or {checkpoint: DIR}; `--model DIR` overrides
+    model: {preset: v41-tiny, seed: 0}    # or {checkpoint: DIR} or {shipped: v41-tiny-tasks};
+                                          # `--model DIR|NAME` overrides
     block_tokens: 4                       # cache block; a multiple of every compress ratio
     prompts_per_cell: 2                   # raised to the cell's concurrency when lower
     max_batch: 8                          # the engine's batch limit: higher concurrency queues
@@ -141,9 +142,10 @@ class Matrix(YamlDocument):
         m = cls(dimensions={d: list(dims[d]) for d in DIMENSIONS})
         m.name = str(data.get("name", m.name))
         model = data.get("model", m.model)
-        if not isinstance(model, dict) or not ({"preset", "checkpoint"} & set(model)) or \
-                set(model) - {"preset", "checkpoint", "seed"}:
-            raise err("`model` must be {preset: NAME, seed: INT} or {checkpoint: DIR}")
+        if not isinstance(model, dict) or len({"preset", "checkpoint", "shipped"} & set(model)) != 1 or \
+                set(model) - {"preset", "checkpoint", "shipped", "seed"}:
+            raise err("`model` must be {preset: NAME, seed: INT}, {checkpoint: DIR} or "
+                      "{shipped: NAME} (dsv41.checkpoints)")
         m.model = dict(model)
         for key, lo in (("block_tokens", 1), ("prompts_per_cell", 1), ("max_batch", 1), ("seed", 0), ("long_suffix_tokens", 0)):
             if key in data:
