@@ -21,7 +21,8 @@ def mk(**over):
 def test_default_matrix_and_contract_ship_and_expand():
     m = default_matrix()
     cells = m.expand(window=16)
-    assert len(cells) == 1 + 3 + 1 + 2 + 4 + 2 + 2 + 2      # base + each other value of each dimension
+    assert len(cells) == 1 + 1 + 2 + 2 + 4 + 1 + 1 + 3      # base + each other value of each dimension
+    assert m.model == {"shipped": "v41-tiny-tasks"}
     assert len({c.id for c in cells}) == len(cells)
     assert m.replay == ["off", "bounded", "exact"]         # unquoted `off` in YAML is the switch
     assert len(m.sha256) == 64 and default_contract().criteria

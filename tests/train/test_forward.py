@@ -100,3 +100,17 @@ def test_balance_bias_moves_toward_the_mean_load(model):
     balance_bias(model, {0: torch.tensor([10.0, 0.0, 5.0, 5.0])}, 0.01)
     assert torch.allclose(bias - before, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
     bias.copy_(before)
+
+
+def test_fake_quant_equals_the_stored_format_model():
+    """Quantization-aware fine-tuning trains exactly what is served: with fake_quant the
+    forward equals the default model (NVFP4 / FP8 / MXFP4 stored KV) on the same weights."""
+    cfg = ModelConfig.preset("v41-tiny")
+    ref32, stored = Model.synthetic(cfg, seed=3, kv_dtype="float32"), Model.synthetic(cfg, seed=3)
+    toks = torch.randint(3, 256, (2, 75), generator=torch.Generator().manual_seed(7))
+    want = torch.stack([stored.prefill(t.tolist(), stored.new_state(), return_all_logits=True)
+                        for t in toks])
+    got = train_forward(ref32, toks, fake_quant=True, dtype=torch.float64).logits.float()
+    assert (got - want).abs().max() < 1e-5
+    plain = train_forward(ref32, toks, dtype=torch.float64).logits.float()
+    assert (plain - want).abs().max() > 1e-2        # the formats matter: the check has teeth

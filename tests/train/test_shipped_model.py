@@ -28,7 +28,7 @@ def test_it_ships_with_its_recipe_log_and_plot():
               "weights_digest.json"):
         assert (d / f).is_file(), f
     assert sum(p.stat().st_size for p in d.iterdir()) < 8 << 20        # "a few MB"
-    assert json.loads((d / "config.json").read_text())["sliding_window"] == 16
+    assert json.loads((d / "config.json").read_text())["text_config"]["sliding_window"] == 16
     assert resolve(NAME) == d and NAME in SHIPPED
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MODE_FULL, MODE_REINDEX, ModelConfig
+from ..model.indexer import hadamard
 from ..ops import reference as ref_ops
 
 __all__ = ["ForwardOutput", "check_trainable", "train_forward", "balance_bias"]
@@ -94,6 +95,18 @@ def _rope(rope, x: torch.Tensor, pos: torch.Tensor, *, inverse: bool = False) ->
     return torch.cat((x[..., :-rope.dim], rotated), -1)
 
 
+def _fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x with the stored format's rounding in the forward and an identity gradient
+    (straight-through): what the serving forward reads back from the cache."""
+    from .. import formats
+    quant, dequant = {"nvfp4": (formats.quantize_nvfp4, formats.dequantize_nvfp4),
+                      "fp8_swa": (formats.quantize_fp8_swa, formats.dequantize_fp8_swa),
+                      "mxfp4": (formats.quantize_mxfp4, formats.dequantize_mxfp4)}[fmt]
+    flat = x.detach().float().reshape(-1, x.shape[-1]).contiguous()
+    q = dequant(*quant(flat)).view(x.shape).to(x.dtype)
+    return x + (q - x).detach()
+
+
 def _compress(comp, x: torch.Tensor, dtype) -> torch.Tensor:
     """Normalized entries [B, n, D] of the complete blocks of x [B, T, hidden]."""
     m = comp.ratio
@@ -142,13 +155,16 @@ def _select(p, c: ModelConfig, scores: torch.Tensor, vis_n: torch.Tensor,
 
 def train_forward(model, tokens: torch.Tensor, *, dense: bool = False,
                   dtype: torch.dtype = torch.float32, index_loss: bool = True,
-                  kl_stride: int = 1) -> ForwardOutput:
+                  kl_stride: int = 1, fake_quant: bool = False) -> ForwardOutput:
     """Logits [B, T, vocab] of tokens [B, T] (int64) as a plain prefill from position 0,
     with the indexer KL terms (index_loss) and per-layer expert loads.
 
     kl_stride: the indexer KL is computed at the queries t = kl_stride - 1 (mod kl_stride)
     (default: all); the attention distribution it needs is a full [queries, entries]
-    softmax per layer, so training samples queries."""
+    softmax per layer, so training samples queries.
+    fake_quant: read the KV as the stored formats round it (NVFP4 entries, FP8 SWA rows,
+    Hadamard-rotated MXFP4 indexer queries and keys for the selection), with
+    straight-through gradients: quantization-aware fine-tuning for the serving forward."""
     c = model.config
     check_trainable(c)
     if model.options.get("kv_dtype") != "float32":
@@ -176,6 +192,8 @@ def train_forward(model, tokens: torch.Tensor, *, dense: bool = False,
         q = _rms(_lin(qr, attn.wq_b, dtype).view(B, T, c.num_heads, c.head_dim), c.rms_norm_eps)
         q = _rope(attn.rope, q, pos)
         swa = _rope(attn.rope, _norm(_lin(x, attn.wkv, dtype), attn.kv_norm, dtype), pos)
+        if fake_quant:
+            swa = _fake_quant(swa, "fp8_swa")
         windows = torch.cat((swa.new_zeros(B, W - 1, c.head_dim), swa), 1).unfold(1, W, 1)
         scale = attn.softmax_scale
         logit_parts = [torch.einsum("bthd,btdw->bthw", q, windows).mul(scale)
@@ -188,6 +206,8 @@ def train_forward(model, tokens: torch.Tensor, *, dense: bool = False,
                 n = latent.shape[1]
                 epos = torch.arange(n, device=dev) * m
                 entries[p.layer] = _rope(attn.rope, latent, epos)
+                if fake_quant:
+                    entries[p.layer] = _fake_quant(entries[p.layer], "nvfp4")
                 if p.owns_indexer_keys:
                     ix = attn.indexer
                     k = _norm(_lin(latent.detach(), ix.wk, dtype), ix.k_norm, dtype)
@@ -203,7 +223,13 @@ def train_forward(model, tokens: torch.Tensor, *, dense: bool = False,
                 keys = ikeys[p.index_key_source]
                 index_logits[p.layer] = (iq, iw, keys)
                 with torch.no_grad():
-                    s64 = _index_scores(iq.double(), iw.double(), keys.double()).float()
+                    if fake_quant:   # the stored selection: (rotated) MXFP4 q and k
+                        rot = hadamard if model.options["indexer_rotation"] else (lambda t: t)
+                        sq = _fake_quant(rot(iq.reshape(-1, iq.shape[-1])), "mxfp4").view(iq.shape)
+                        sk = _fake_quant(rot(keys.reshape(-1, keys.shape[-1])), "mxfp4").view(keys.shape)
+                    else:
+                        sq, sk = iq, keys
+                    s64 = _index_scores(sq.double(), iw.double(), sk.double()).float()
                     selection[p.layer], cands = _select(p, c, s64, visible.sum(1), candidates)
                     if cands is not None:
                         candidates = cands

@@ -9,7 +9,9 @@ deterministic on one machine and thread count.
 Stages (DeepSeek-V3.2's indexer recipe, scaled down): the first `dense_steps` steps run
 the main attention over every visible global entry while the indexer learns to predict
 that attention (its KL term); then the sparse stage runs the top-k the indexer selects,
-the KL term still training the indexer. The loss is the cross-entropy of the answer
+the KL term still training the indexer; the last `fake_quant_steps` read the KV as the
+stored formats round it (forward.py `fake_quant`). `init` starts from a checkpoint (a
+fine-tuning stage; its recipe is kept as recipe.init.json). The loss is the cross-entropy of the answer
 tokens (data.py) plus `kl_weight` times the mean indexer KL.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Recipe:
     warmup_steps: int = 50
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    dense_steps: int = 150
+    dense_steps: int = 250
     kl_weight: float = 1.0
     kl_stride: int = 4
     bias_rate: float = 1e-3
@@ -54,6 +56,8 @@ class Recipe:
     eval_every: int = 100
     held_out_per_task: int = 32
     held_out_context: int = 96
+    fake_quant_steps: int = 0       # the last N steps read the KV as stored (QAT)
+    init: str = ""                  # start from this checkpoint instead of Model.synthetic
     notes: dict = field(default_factory=dict)
 
     def lr_at(self, step: int) -> float:
@@ -126,7 +130,12 @@ def train(recipe: Recipe, out: str | Path, *, progress: bool = True) -> dict:
     torch.manual_seed(recipe.seed)
     config = ModelConfig.preset(recipe.preset)
     check_trainable(config)
-    model = Model.synthetic(config, seed=recipe.seed, kv_dtype="float32")
+    if recipe.init:
+        model = Model.from_pretrained(recipe.init, kv_dtype="float32")
+        if model.config.fingerprint() != config.fingerprint():
+            raise ValueError(f"init checkpoint {recipe.init} is not a {recipe.preset} model")
+    else:
+        model = Model.synthetic(config, seed=recipe.seed, kv_dtype="float32")
     tok = CharTokenizer(config.vocab_size)
     W = config.sliding_window
     params = _trainable(model)
@@ -140,6 +149,8 @@ def train(recipe: Recipe, out: str | Path, *, progress: bool = True) -> dict:
                            window=W, seed=HELD_OUT_SEED)
             for task in ("passkey", "multihop", "extraction")}
     (out / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")
+    if recipe.init and (Path(recipe.init) / "recipe.json").is_file():   # the earlier stage
+        (out / "recipe.init.json").write_text((Path(recipe.init) / "recipe.json").read_text())
     log_path = out / "train_log.jsonl"
     log = log_path.open("w")
     bar = _Bar(recipe.steps) if progress else None
@@ -151,7 +162,8 @@ def train(recipe: Recipe, out: str | Path, *, progress: bool = True) -> dict:
             g["lr"] = recipe.lr_at(step)
         toks, mask = collate(next(batches))
         dense = step < recipe.dense_steps
-        fwd = train_forward(model, toks, dense=dense, kl_stride=recipe.kl_stride)
+        fq = step >= recipe.steps - recipe.fake_quant_steps
+        fwd = train_forward(model, toks, dense=dense, kl_stride=recipe.kl_stride, fake_quant=fq)
         logits = fwd.logits[:, :-1]
         target = toks[:, 1:]
         m = mask[:, 1:]
@@ -170,7 +182,7 @@ def train(recipe: Recipe, out: str | Path, *, progress: bool = True) -> dict:
         rec = {"step": step + 1, "loss": lm.item(), "index_kl": kl.item(),
                "index_kl_per_layer": {str(k): round(v.item(), 5) for k, v in fwd.index_kl.items()},
                "token_acc": acc, "lr": recipe.lr_at(step), "grad_norm": float(gnorm),
-               "dense": dense, "tokens": int(toks.numel()), "elapsed_s": round(time.time() - t0, 2)}
+               "dense": dense, "fake_quant": fq, "tokens": int(toks.numel()), "elapsed_s": round(time.time() - t0, 2)}
         if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.steps:
             rec["held_out"] = {task: answer_accuracy(model, ex) for task, ex in held.items()}
         log.write(json.dumps(rec) + "\n")
