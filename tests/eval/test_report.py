@@ -72,3 +72,21 @@ def test_aggregate_latency_and_bytes():
     assert a["runs"] == 4 and a["ttft_s"]["p50"] == 0.025 and a["ttft_s"]["count"] == 4
     assert a["token_latency_s"]["count"] == 8 and a["bytes"]["state_global"] == 100.0
     assert a["replayed_tokens"]["value"] == 16.0 and a["exact_match"]["value"] == 1.0
+
+
+def test_success_tables_per_evidence_and_task():
+    from dsv41.eval.report import _success_tables
+
+    def agg(v, runs):
+        return {"success": {"value": v, "lo": v, "hi": v}, "runs": runs}
+
+    summary = {"dimensions": {
+        "evidence": {"before_boundary": {"cold/none": agg(1.0, 4), "swa_miss/bounded": agg(0.5, 4)},
+                     "far_behind": {"cold/none": agg(1.0, 2), "swa_miss/bounded": agg(1.0, 2)}},
+        "hit": {"end": {"cold/none": agg(1.0, 6)}}}}
+    lines = _success_tables(summary)
+    assert lines[0] == "## Task success per state and replay switch"
+    assert "| state/replay | before_boundary | far_behind |" in lines
+    assert "| swa_miss/bounded | 0.5 (n=4) | 1 (n=2) |" in lines
+    assert not any("by task" in x for x in lines)            # no task dimension given
+    assert _success_tables({"dimensions": {"hit": {}}}) == []

@@ -22,12 +22,12 @@ def test_run_counts_and_instances():
     m = default_matrix()
     cells = m.expand(16)
     base = cells[0]
-    assert cell_prompts(m, base) == 4
-    assert runs_per_cell(m, base) == 4 * (1 + 3 * 3)
+    assert cell_prompts(m, base) == 10
+    assert runs_per_cell(m, base) == 10 * (1 + 3 * 3)
     conc4 = next(c for c in cells if c["concurrency"] == 4)
-    assert cell_prompts(m, conc4) == 4
+    assert cell_prompts(m, conc4) == 10
     insts = build_instances(m, base, CharTokenizer(256), 16)
-    assert len(insts) == 4 and insts[0].prompt != insts[1].prompt
+    assert len(insts) == 10 and insts[0].prompt != insts[1].prompt
     assert all(len(i.prompt) > base.shifted_hit and len(i.prompt) > base.hit for i in insts)
 
 

@@ -147,6 +147,32 @@ def _table(groups: dict) -> list[str]:
     return lines
 
 
+def _success_tables(summary: dict) -> list[str]:
+    """Task success per state and replay switch, one column per value of the dimensions
+    that decide what replay can cost: where the evidence sits relative to the replay
+    boundary, and the task."""
+    L: list[str] = []
+    for dim in ("evidence", "task"):
+        vals = summary["dimensions"].get(dim)
+        if not vals:
+            continue
+        names = list(vals)
+        groups = list(next(iter(vals.values())))
+        L += [f"**by {dim}**", "", "| state/replay | " + " | ".join(names) + " |",
+              "|" + "---|" * (len(names) + 1)]
+        for g in groups:
+            L.append(f"| {g} | " + " | ".join(
+                _ci(vals[v][g]["success"]) + f" (n={vals[v][g]['runs']})" if g in vals[v] else "-"
+                for v in names) + " |")
+        L.append("")
+    if not L:              # a matrix that varies neither
+        return []
+    return ["## Task success per state and replay switch", "",
+            "Share of prompts the task's scorer accepts (95% bootstrap interval over prompts); "
+            "each column pools the cells with that value (one factor at a time, so a column "
+            "holds its own cells' prompts).", ""] + L
+
+
 def _markdown(result: dict, summary: dict, contract: Contract, plots: list[str]) -> str:
     fr = result["frozen"]
     be = fr["backend"]
@@ -176,10 +202,15 @@ def _markdown(result: dict, summary: dict, contract: Contract, plots: list[str])
                  f"[{_fmt(v['lo'])}, {_fmt(v['hi'])}] | {'PASS' if v['pass'] else 'FAIL'} |")
     L += ["", f"**Overall: {summary['verdict']}** ({sum(v['pass'] for v in summary['verdicts'])} of "
           f"{len(summary['verdicts'])} lines pass).", ""]
+    synthetic = (be.get("model") or {}).get("weights") == "synthetic"
+    L += _success_tables(summary)
     L += ["## Tables per dimension", "",
           "Marginal: each row pools every cell with that value. KL in nats against full prefill "
           "(cold) of the same prompt and seed; intervals are bootstrap over prompts; latencies in ms. "
-          "With synthetic weights task success is near chance: divergence is the signal.", ""]
+          + ("With synthetic weights task success is near chance: divergence is the signal."
+             if synthetic else "Task success is the task scorer's verdict on the greedy output; "
+             "cold/none is full prefill, so a state or switch costs accuracy where its success "
+            "falls below that row."), ""]
     for d, vals in summary["dimensions"].items():
         L += [f"### {d}", ""]
         for v, groups in vals.items():
