@@ -187,6 +187,12 @@ class PersistentStore:
         except BaseException:
             self._release_lock()
             raise
+        if self.writable:
+            # What every commit uses, ready before the first one: the writer thread and
+            # the staging chunks it encodes into (4 KiB-aligned, so allocating them faults
+            # in and zeroes their pages).
+            self._chunk_writer.start()
+            self._staging += [_io.staging(_writer.STAGING_BYTES) for _ in range(_writer.STAGING_CHUNKS)]
         self.recovery_seconds = time.perf_counter() - t0
         self.metrics.recovery_seconds.set(self.recovery_seconds)
         self._update_gauges()
@@ -298,7 +304,7 @@ class PersistentStore:
 
     def _put_staging(self, item) -> None:
         with self._lock:
-            if len(self._staging) < 6:
+            if len(self._staging) < _writer.STAGING_CHUNKS + 2:
                 self._staging.append(item)
 
     def _seg_fd(self, seg: SegmentFile) -> int:

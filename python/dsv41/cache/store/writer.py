@@ -27,10 +27,19 @@ if TYPE_CHECKING:
 
 __all__ = ["write_segment", "commit_pending", "ChunkWriter"]
 
-# Small chunks keep encoding and writing overlapped: with bench/bench_cache.py on the 2-core
-# dev machine 1 MiB chunks wrote faster than 4 and 16 MiB ones (noisy, but every time).
+# One writer thread issues the chunk writes one after the other while the caller encodes
+# the next chunks: on the 2-core development VM (O_DIRECT on ext4) one sequential stream of
+# 1 MiB writes was the fastest raw method, and two or four writes in flight on one file were
+# 10-30% slower (ext4 serialises writes that extend a file; bench/bench_cache.py and a probe
+# of 1/2/4 writes in flight). The encoder runs up to 8 chunks ahead: on a shared machine
+# the encoding thread is sometimes descheduled for milliseconds, and the queue keeps the
+# disk busy meanwhile. Every staging chunk (header and footer included) fits one 1 MiB
+# staging buffer, so the store's buffer pool is reused, never reallocated.
 _WRITE_CHUNK = 1 << 20  # staging chunk: encoded while the ones before are written
-_IN_FLIGHT = 2          # chunk writes in flight while the next chunk is encoded
+_IN_FLIGHT = 8          # chunks encoded ahead of the writer (queued or being written)
+_WRITER_THREADS = 1
+STAGING_BYTES = _WRITE_CHUNK  # what a writable store preallocates: the chunks one segment cycles through
+STAGING_CHUNKS = _IN_FLIGHT + 1
 
 
 class _Layout:
@@ -94,16 +103,25 @@ class _Layout:
         e["block_hash"] = np.frombuffer(b"".join(r.hash.ljust(32, b"\0") for r, _, _ in raw), "V32")
         return lay
 
-    def chunks(self, limit: int):
-        """(first, end, bytes) of runs of records of at most `limit` bytes (or one record)."""
-        first, size = 0, 0
+    def chunks(self, limit: int, tail: int) -> list[tuple[int, int, int]]:
+        """(first, end, record bytes) of the segment's chunk writes: runs of records that
+        fit `limit` bytes (a record larger than that gets a chunk of its own) with the
+        header page counted in the first chunk and `tail` (footer and trailer) in the
+        last; the tail gets a chunk of its own (first == end) when it does not fit."""
+        out, first, size = [], 0, sf.PAGE
         for i, n in enumerate(self.padded):
             if i > first and size + n > limit:
-                yield first, i, size
+                out.append((first, i, size))
                 first, size = i, 0
             size += n
-        if self.n:
-            yield first, self.n, size
+        if size + tail > limit and self.n:
+            out.append((first, self.n, size))
+            first, size = self.n, 0
+        out.append((first, self.n, size))
+        # Sizes above count the header page in the first chunk: report record bytes only.
+        f0, e0, s0 = out[0]
+        out[0] = (f0, e0, s0 - sf.PAGE)
+        return out
 
 
 def write_segment(store: PersistentStore, records: list, supersedes: list[bytes], raw: list | None = None) -> int:
@@ -129,7 +147,7 @@ def write_segment(store: PersistentStore, records: list, supersedes: list[bytes]
     trailer = sf.encode_trailer(sf.SegmentTrailer(uuid, footer_off, len(footer), lay.n, _io.crc32c(footer)))
     header = sf.encode_segment_header(sf.SegmentHeader(uuid, seq, time.time_ns(), store.identity.store_id,
                                                        lay.n, list(supersedes)))
-    chunks = list(lay.chunks(_WRITE_CHUNK)) or [(0, 0, 0)]
+    chunks = lay.chunks(_WRITE_CHUNK, tail_size)
     f = store._eng.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, direct=store.direct)
     published = False
     in_flight: list = []  # (job, staging item) of the chunks being written, oldest first
@@ -242,22 +260,27 @@ def _retire(store: PersistentStore, in_flight: list) -> None:
 
 
 class ChunkWriter:
-    """A store's writer threads (one per write in flight): they write chunks while the
-    caller encodes the next. Plain daemon threads, not concurrent.futures: that refuses new
+    """A store's writer thread(s): they write the queued chunks in order while the caller
+    encodes the next. Plain daemon threads, not concurrent.futures: that refuses new
     work once interpreter shutdown has begun, and a cache commits its queued writes at exit.
     Threads that are gone (a forked child inherits none) are started again."""
 
-    def __init__(self, threads: int = _IN_FLIGHT):
+    def __init__(self, threads: int = _WRITER_THREADS):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._n = threads
         self._threads: list[threading.Thread] = []
 
-    def submit(self, fn, *args) -> "_Job":
+    def start(self) -> None:
+        """Starts the threads that are not running (a writable store does at open, so its
+        first commit does not wait for a thread to start)."""
         self._threads = [t for t in self._threads if t.is_alive()]
-        if len(self._threads) < self._n:
+        while len(self._threads) < self._n:
             t = threading.Thread(target=self._run, name="dsv41-store-write", daemon=True)
             t.start()
             self._threads.append(t)
+
+    def submit(self, fn, *args) -> "_Job":
+        self.start()  # after a fork the child has none
         job = _Job()
         self._q.put((job, fn, args))
         return job
