@@ -188,10 +188,7 @@ class PersistentStore:
             self._release_lock()
             raise
         if self.writable:
-            # What every commit uses, made ready before the first one without delaying the
-            # open: the writer thread starts now and allocates the staging chunks that
-            # commits encode into (zeroed pages, so allocating them takes a few ms).
-            self._chunk_writer.submit(self._fill_staging)
+            self._chunk_writer.start()  # ready before the first commit
         self.recovery_seconds = time.perf_counter() - t0
         self.metrics.recovery_seconds.set(self.recovery_seconds)
         self._update_gauges()
@@ -300,10 +297,6 @@ class PersistentStore:
                 if buf.size >= size:
                     return self._staging.pop(i)
         return _io.staging(max(size, 1 << 20))
-
-    def _fill_staging(self) -> None:
-        for _ in range(_writer.STAGING_CHUNKS - len(self._staging)):
-            self._put_staging(_io.staging(_writer.STAGING_BYTES))
 
     def _put_staging(self, item) -> None:
         with self._lock:

@@ -38,8 +38,7 @@ __all__ = ["write_segment", "commit_pending", "ChunkWriter"]
 _WRITE_CHUNK = 1 << 20  # staging chunk: encoded while the ones before are written
 _IN_FLIGHT = 8          # chunks encoded ahead of the writer (queued or being written)
 _WRITER_THREADS = 1
-STAGING_BYTES = _WRITE_CHUNK  # what a writable store preallocates: the chunks one segment cycles through
-STAGING_CHUNKS = _IN_FLIGHT + 1
+STAGING_CHUNKS = _IN_FLIGHT + 1  # staging buffers one segment cycles through (the store keeps them)
 
 
 class _Layout:
