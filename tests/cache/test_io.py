@@ -213,3 +213,28 @@ def test_encode_records_matches_the_reference_layout():
         eng.encode_records(buf, [(at0, head, tokens[:-1], key, payload)])
     with pytest.raises(ValueError):
         eng.encode_records(buf, [(view.size - 4096, head, tokens, key, payload)])
+
+
+def test_pack_record_headers_matches_one_at_a_time():
+    """The writer packs a segment's heads in one numpy step: byte for byte the heads that
+    pack_record_header(sealed=False) makes one by one (short hashes, keys of two lengths)."""
+    from dsv41.cache.store import format as sf
+    rng = np.random.default_rng(9)
+    T, P = 16, 5000
+    n = 5
+    keys = [b"k" * 40, b"other key", b"k" * 40, b"k" * 40, b"other key"]
+    hashes = [bytes(rng.integers(0, 256, m, dtype=np.uint8)) for m in (32, 32, 20, 0, 32)]
+    parents = [bytes(32)] + hashes[:-1]
+    rids = [int(x) for x in rng.integers(1, 1 << 62, n)]
+    pids = [0] + rids[:-1]
+    got = sf.pack_record_headers(record_ids=rids, parent_ids=pids, created_ns=(1 << 60) + 7,
+                                 block_indices=list(range(3, 3 + n)), token_count=T,
+                                 key_bytes=[len(k) for k in keys], payload_bytes=P, block_hashes=hashes,
+                                 parent_hashes=parents)
+    for i in range(n):
+        po, rb, _ = sf.record_geometry(T, len(keys[i]), P)
+        want = sf.pack_record_header(record_id=rids[i], parent_id=pids[i], created_ns=(1 << 60) + 7,
+                                     block_index=3 + i, token_count=T, key_bytes=len(keys[i]), payload_offset=po,
+                                     payload_bytes=P, record_bytes=rb, block_hash=hashes[i],
+                                     parent_hash=parents[i], sealed=False)
+        assert got[i: i + 1].tobytes() == want, i

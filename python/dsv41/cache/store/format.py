@@ -38,7 +38,7 @@ import numpy as np
 from .. import io as _io
 
 __all__ = ["STORE_FORMAT_VERSION", "PAGE", "REC_MAGIC", "REC_HEADER", "REC_HEADER_BYTES", "REC_DTYPE",
-           "record_geometry", "SEG_MAGIC", "SEG_TRAILER_MAGIC", "FOOTER_DTYPE", "JOURNAL_ENTRY",
+           "record_geometry", "pack_record_headers", "SEG_MAGIC", "SEG_TRAILER_MAGIC", "FOOTER_DTYPE", "JOURNAL_ENTRY",
            "J_ACCESS", "J_DELETE", "J_WATERMARK", "encode_segment_header", "decode_segment_header",
            "encode_trailer", "decode_trailer", "encode_footer", "decode_footer", "encode_journal",
            "decode_journal", "MANIFEST_NAME", "LOCK_NAME", "JOURNAL_NAME", "segment_name",
@@ -108,6 +108,34 @@ def pack_record_header(*, record_id: int, parent_id: int, created_ns: int, block
         return head
     crc = _io.crc32c(memoryview(head)[:252])
     return head[:252] + crc.to_bytes(4, "little")
+
+
+def pack_record_headers(*, record_ids, parent_ids, created_ns: int, block_indices, token_count: int,
+                        key_bytes, payload_bytes: int, block_hashes: list[bytes],
+                        parent_hashes: list[bytes]) -> np.ndarray:
+    """The headers of many records at once, unsealed (data_crc and header_crc 0, for the
+    encoder to fill): REC_DTYPE [n], byte for byte pack_record_header(sealed=False) of each.
+    key_bytes is one length or one per record; the geometry follows record_geometry."""
+    n = len(record_ids)
+    kb = np.broadcast_to(np.asarray(key_bytes, dtype=np.int64), (n,))
+    po = -(-(REC_HEADER_BYTES + 4 * token_count + kb) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+    h = np.zeros(n, REC_DTYPE)
+    h["magic"] = REC_MAGIC
+    h["version"] = STORE_FORMAT_VERSION
+    h["header_bytes"] = REC_HEADER_BYTES
+    h["record_id"] = record_ids
+    h["parent_id"] = parent_ids
+    h["created_ns"] = created_ns
+    h["block_index"] = block_indices
+    h["token_count"] = token_count
+    h["key_bytes"] = kb
+    h["payload_offset"] = po
+    h["payload_bytes"] = payload_bytes
+    h["record_bytes"] = po + payload_bytes
+    h["hash_bytes"] = [len(x) for x in block_hashes]
+    h["block_hash"] = np.frombuffer(b"".join(x.ljust(32, b"\0") for x in block_hashes), "V32")
+    h["parent_hash"] = np.frombuffer(b"".join(x.ljust(32, b"\0") for x in parent_hashes), "V32")
+    return h
 
 
 # ---- segments -----------------------------------------------------------------------------

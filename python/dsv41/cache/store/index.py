@@ -72,6 +72,27 @@ class RecordIndex:
         r.seg.live_bytes += r.padded
         self.live_total += r.padded
 
+    def add_many(self, rows: list[StoredRecord]) -> None:
+        """add() of each row, none of them indexed yet (a commit's fresh records)."""
+        recs, children, kids = self.recs, self.children, self.kids
+        for r in rows:
+            recs[r.rid] = r
+            lst = children.get((r.parent, r.hash))
+            if lst is None:
+                children[(r.parent, r.hash)] = [r.rid]
+            else:
+                lst.append(r.rid)
+            if r.parent:
+                k = kids.get(r.parent)
+                if k is None:
+                    kids[r.parent] = {r.rid}
+                else:
+                    k.add(r.rid)
+            seg = r.seg
+            seg.rids.add(r.rid)
+            seg.live_bytes += r.padded
+            self.live_total += r.padded
+
     def remove(self, r: StoredRecord) -> None:
         self.recs.pop(r.rid, None)
         key = (r.parent, r.hash)

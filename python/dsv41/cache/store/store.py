@@ -86,11 +86,22 @@ class PendingRecord:
 
 
 def _as_bytes_view(payload) -> np.ndarray:
+    if type(payload) is np.ndarray and payload.dtype == np.uint8 and payload.flags.c_contiguous:
+        return payload.reshape(-1)  # the common case, without the general conversions
     if isinstance(payload, torch.Tensor):
         if payload.device.type != "cpu":
             payload = payload.cpu()
         return payload.contiguous().view(torch.uint8).reshape(-1).numpy()
     return np.ascontiguousarray(payload, dtype=np.uint8).reshape(-1)
+
+
+_U4 = np.dtype("<u4")
+
+
+def _as_token_ids(tokens) -> np.ndarray:
+    if type(tokens) is np.ndarray and tokens.dtype == _U4 and tokens.flags.c_contiguous:
+        return tokens.reshape(-1)
+    return np.ascontiguousarray(tokens, dtype="<u4").reshape(-1)
 
 
 class PersistentStore:
@@ -176,6 +187,8 @@ class PersistentStore:
         except BaseException:
             self._release_lock()
             raise
+        if self.writable:
+            self._chunk_writer.start()  # ready before the first commit
         self.recovery_seconds = time.perf_counter() - t0
         self.metrics.recovery_seconds.set(self.recovery_seconds)
         self._update_gauges()
@@ -287,7 +300,7 @@ class PersistentStore:
 
     def _put_staging(self, item) -> None:
         with self._lock:
-            if len(self._staging) < 6:
+            if len(self._staging) < _writer.STAGING_CHUNKS + 2:
                 self._staging.append(item)
 
     def _seg_fd(self, seg: SegmentFile) -> int:
@@ -397,23 +410,25 @@ class PersistentStore:
         """Queues one record for the next commit() and returns its record id. `parent` is
         the record id of the block before (0 for a chain's first block); it must be stored
         or queued. The payload is read at commit time: keep it unchanged until then."""
-        self._check_writable()
+        if self.mode != "w" or self.mismatch is not None or self.closed:
+            self._check_writable()  # raises the error that says which
         view = _as_bytes_view(payload)
         if view.size != self.identity.block_bytes:
             raise PayloadError(f"payload has {view.size} bytes, a block of this store has "
                                f"{self.identity.block_bytes}")
-        tokens = np.ascontiguousarray(tokens, dtype="<u4").reshape(-1)
+        tokens = _as_token_ids(tokens)
         if tokens.size != self.identity.block_tokens:
             raise PayloadError(f"a record holds {self.identity.block_tokens} token ids, got {tokens.size}")
         if len(block_hash) > 32 or len(parent_hash) > 32:
             raise ValueError("hashes are at most 32 bytes")
+        if type(key) is not bytes:
+            key = bytes(key)
         with self._lock:
             if parent and parent not in self._ix.recs and parent not in self._pending_rids:
                 raise MissingParentError(f"parent record {parent} is neither stored nor queued")
             rid = self._next_rid
-            self._next_rid += 1
-            self._pending.append(PendingRecord(rid, parent, block_index, block_hash, parent_hash, tokens,
-                                               bytes(key), view))
+            self._next_rid = rid + 1
+            self._pending.append(PendingRecord(rid, parent, block_index, block_hash, parent_hash, tokens, key, view))
             self._pending_rids.add(rid)
             self._pending_bytes += view.size
         return rid

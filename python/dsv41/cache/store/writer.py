@@ -27,10 +27,100 @@ if TYPE_CHECKING:
 
 __all__ = ["write_segment", "commit_pending", "ChunkWriter"]
 
-# Small chunks keep encoding and writing overlapped: with bench/bench_cache.py on the 2-core
-# dev machine 1 MiB chunks wrote faster than 4 and 16 MiB ones (noisy, but every time).
+# One writer thread issues the chunk writes one after the other while the caller encodes
+# the next chunks: on the 2-core development VM (O_DIRECT on ext4) one sequential stream of
+# 1 MiB writes was the fastest raw method, and two or four writes in flight on one file were
+# 10-30% slower (ext4 serialises writes that extend a file; bench/bench_cache.py and a probe
+# of 1/2/4 writes in flight). The encoder runs up to 8 chunks ahead: on a shared machine
+# the encoding thread is sometimes descheduled for milliseconds, and the queue keeps the
+# disk busy meanwhile. Every staging chunk (header and footer included) fits one 1 MiB
+# staging buffer, so the store's buffer pool is reused, never reallocated.
 _WRITE_CHUNK = 1 << 20  # staging chunk: encoded while the ones before are written
-_IN_FLIGHT = 2          # chunk writes in flight while the next chunk is encoded
+_IN_FLIGHT = 8          # chunks encoded ahead of the writer (queued or being written)
+_WRITER_THREADS = 1
+STAGING_CHUNKS = _IN_FLIGHT + 1  # staging buffers one segment cycles through (the store keeps them)
+
+
+class _Layout:
+    """Where a segment's records go and what its footer says, as arrays (one Python step
+    per record at most: a commit of 64K-token prefixes holds thousands of records)."""
+
+    __slots__ = ("n", "offsets", "padded", "entries", "keys", "heads")
+
+    def __init__(self, n: int):
+        self.n = n
+        self.entries = np.zeros(n, dtype=sf.FOOTER_DTYPE)
+        self.keys: list[bytes] = []
+        self.heads: bytes = b""  # new records: their unsealed 256-byte heads, back to back
+
+    def place(self, padded: np.ndarray) -> None:
+        self.padded = padded.tolist()
+        ends = sf.PAGE + np.cumsum(padded, dtype=np.int64)
+        self.offsets = (ends - padded).tolist()
+        self.entries["offset"] = ends - padded
+
+    @classmethod
+    def for_new(cls, records: list, created: int, block_tokens: int, block_bytes: int) -> "_Layout":
+        lay = cls(len(records))
+        key_ix: dict[bytes, int] = {}
+        kis = [key_ix.setdefault(p.key, len(key_ix)) for p in records]
+        lay.keys = list(key_ix)
+        klen = np.array([len(k) for k in lay.keys], dtype=np.int64)[np.array(kis, dtype=np.int64)]
+        block_hashes = [p.block_hash for p in records]
+        heads = sf.pack_record_headers(
+            record_ids=[p.rid for p in records], parent_ids=[p.parent for p in records], created_ns=created,
+            block_indices=[p.block_index for p in records], token_count=block_tokens, key_bytes=klen,
+            payload_bytes=block_bytes, block_hashes=block_hashes, parent_hashes=[p.parent_hash for p in records])
+        rbytes = heads["record_bytes"].astype(np.int64)
+        lay.place((rbytes + sf.PAGE - 1) // sf.PAGE * sf.PAGE)
+        e = lay.entries
+        for f in ("record_id", "parent_id", "created_ns", "record_bytes", "block_index", "token_count",
+                  "hash_bytes", "block_hash"):
+            e[f] = heads[f]
+        e["key_index"] = kis
+        lay.heads = heads.tobytes()
+        return lay
+
+    @classmethod
+    def for_copies(cls, raw: list, index) -> "_Layout":
+        """Records copied verbatim by compaction: raw [(StoredRecord, view, offset)]."""
+        lay = cls(len(raw))
+        key_ix: dict[bytes, int] = {}
+        kis = [key_ix.setdefault(index.keys[r.key_id], len(key_ix)) for r, _, _ in raw]
+        lay.keys = list(key_ix)
+        lay.place(np.array([r.padded for r, _, _ in raw], dtype=np.int64))
+        heads = np.stack([v[o: o + sf.REC_HEADER_BYTES] for _, v, o in raw]).view(sf.REC_DTYPE).reshape(-1)
+        e = lay.entries
+        e["record_id"] = [r.rid for r, _, _ in raw]
+        e["parent_id"] = [r.parent for r, _, _ in raw]
+        e["created_ns"] = [r.created_ns for r, _, _ in raw]
+        e["block_index"] = [r.block_index for r, _, _ in raw]
+        e["record_bytes"] = heads["record_bytes"]
+        e["token_count"] = heads["token_count"]
+        e["key_index"] = kis
+        e["hash_bytes"] = [len(r.hash) for r, _, _ in raw]
+        e["block_hash"] = np.frombuffer(b"".join(r.hash.ljust(32, b"\0") for r, _, _ in raw), "V32")
+        return lay
+
+    def chunks(self, limit: int, tail: int) -> list[tuple[int, int, int]]:
+        """(first, end, record bytes) of the segment's chunk writes: runs of records that
+        fit `limit` bytes (a record larger than that gets a chunk of its own) with the
+        header page counted in the first chunk and `tail` (footer and trailer) in the
+        last; the tail gets a chunk of its own (first == end) when it does not fit."""
+        out, first, size = [], 0, sf.PAGE
+        for i, n in enumerate(self.padded):
+            if i > first and size + n > limit:
+                out.append((first, i, size))
+                first, size = i, 0
+            size += n
+        if size + tail > limit and self.n:
+            out.append((first, self.n, size))
+            first, size = self.n, 0
+        out.append((first, self.n, size))
+        # Sizes above count the header page in the first chunk: report record bytes only.
+        f0, e0, s0 = out[0]
+        out[0] = (f0, e0, s0 - sf.PAGE)
+        return out
 
 
 def write_segment(store: PersistentStore, records: list, supersedes: list[bytes], raw: list | None = None) -> int:
@@ -41,84 +131,69 @@ def write_segment(store: PersistentStore, records: list, supersedes: list[bytes]
     store._next_seq += 1
     name = sf.segment_name(seq, uuid)
     tmp = store.path / f".tmp-{name}"
+    created = store._now_ns()  # one time for the whole batch: LRU sees its chains as one age
+    if raw is not None:
+        lay = _Layout.for_copies(raw, store._ix)
+    else:
+        lay = _Layout.for_new(records, created, store.identity.block_tokens, store.identity.block_bytes)
+    # Header, footer and trailer are known before any record is written: the header goes
+    # out with the first chunk and footer and trailer with the last, so a segment is one
+    # stream of chunk writes (then one fdatasync) rather than chunks plus two more writes.
+    footer = sf.encode_footer(lay.entries, lay.keys)
+    footer_off = sf.PAGE + sum(lay.padded)
+    fpad = _io.align_up(len(footer))
+    tail_size = fpad + sf.PAGE
+    trailer = sf.encode_trailer(sf.SegmentTrailer(uuid, footer_off, len(footer), lay.n, _io.crc32c(footer)))
+    header = sf.encode_segment_header(sf.SegmentHeader(uuid, seq, time.time_ns(), store.identity.store_id,
+                                                       lay.n, list(supersedes)))
+    chunks = lay.chunks(_WRITE_CHUNK, tail_size)
     f = store._eng.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, direct=store.direct)
     published = False
     in_flight: list = []  # (job, staging item) of the chunks being written, oldest first
     try:
         seg = SegmentFile(uuid, seq, name, 0)
-        rows, keys, key_ix = [], [], {}
-        offset = sf.PAGE
-        created = store._now_ns()  # one time for the whole batch: LRU sees its chains as one age
-        items = raw if raw is not None else records
-        pos = 0
-        while pos < len(items):
-            # One staging chunk of records at a time.
-            chunk, size = [], 0
-            while pos < len(items):
-                it = items[pos]
-                padded = it[0].padded if raw is not None else \
-                    sf.record_geometry(it.tokens.size, len(it.key), it.payload.size)[2]
-                if chunk and size + padded > _WRITE_CHUNK:
-                    break
-                chunk.append(it)
-                size += padded
-                pos += 1
-            # Encode this chunk while the previous one is being written (double buffering).
-            item = store._get_staging(size)
+        heads = lay.heads
+        offset = 0  # file offset of this chunk's write
+        for ci, (first, end, size) in enumerate(chunks):
+            lead = sf.PAGE if ci == 0 else 0  # the segment header
+            trail = tail_size if ci == len(chunks) - 1 else 0  # footer and trailer
+            total = lead + size + trail
+            # Encode this chunk while the ones before are being written.
+            item = store._get_staging(total)
             buf, view = item
             try:
-                at, specs = 0, []
-                for it in chunk:
-                    if raw is not None:
-                        rec, src_view, src_off = it
+                if lead:
+                    view[: sf.PAGE] = np.frombuffer(header, dtype=np.uint8)
+                if raw is not None:
+                    for i in range(first, end):
+                        rec, src_view, src_off = raw[i]
+                        at = lay.offsets[i] - offset
                         view[at: at + rec.padded] = src_view[src_off: src_off + rec.padded]
-                        key = store._ix.keys[rec.key_id]
-                        ki = key_ix.setdefault(key, len(keys))
-                        if ki == len(keys):
-                            keys.append(key)
-                        rows.append((rec.rid, rec.parent, offset + at, rec.created_ns, rec.padded,
-                                     rec.block_index, ki, rec.hash, _record_bytes(view, at)))
-                        at += rec.padded
-                    else:
-                        at = _head(it, at, offset, specs, rows, keys, key_ix, created)
-                if specs:
-                    store._eng.encode_records(buf, specs)
+                elif end > first:
+                    base = offset
+                    store._eng.encode_records(buf, [
+                        (lay.offsets[i] - base, heads[i * 256: i * 256 + 256], p.tokens, p.key, p.payload)
+                        for i, p in zip(range(first, end), records[first:end])])
                 store._hook("write")
-                fut = store._chunk_writer.submit(store._eng.write_all, f.fd, offset, buf, 0, size, str(tmp))
+                if trail:
+                    at = lead + size
+                    view[at: at + tail_size] = 0
+                    view[at: at + len(footer)] = np.frombuffer(footer, dtype=np.uint8)
+                    view[at + fpad: at + tail_size] = np.frombuffer(trailer, dtype=np.uint8)
+                    store._hook("footer")
+                fut = store._chunk_writer.submit(store._eng.write_all, f.fd, offset, buf, 0, total, str(tmp))
             except BaseException:
                 store._put_staging(item)
                 raise
             in_flight.append((fut, item))
             if len(in_flight) > _IN_FLIGHT:
                 _retire(store, in_flight)
-            offset += size
+            offset += total
+        # The index entries are built while the last chunks are being written.
+        new_recs = _stored_records(store, lay, seg, [r.hash for r, _, _ in raw] if raw is not None
+                                   else [p.block_hash for p in records])
         while in_flight:
             _retire(store, in_flight)
-        # Footer and trailer.
-        T = store.identity.block_tokens
-        entries = np.array([(rid, parent, off, created, rbytes, bi, ki, T, len(h), b"", h.ljust(32, b"\0"))
-                            for rid, parent, off, created, padded, bi, ki, h, rbytes in rows],
-                           dtype=sf.FOOTER_DTYPE).reshape(len(rows))
-        footer = sf.encode_footer(entries, keys)
-        footer_off = offset
-        fpad = _io.align_up(len(footer))
-        trailer = sf.encode_trailer(sf.SegmentTrailer(uuid, footer_off, len(footer), len(rows),
-                                                      _io.crc32c(footer)))
-        header = sf.encode_segment_header(sf.SegmentHeader(uuid, seq, time.time_ns(), store.identity.store_id,
-                                                           len(rows), list(supersedes)))
-        tail_size = fpad + sf.PAGE
-        item = store._get_staging(tail_size)
-        buf, view = item
-        try:
-            view[:tail_size] = 0
-            view[: len(footer)] = np.frombuffer(footer, dtype=np.uint8)
-            view[fpad: fpad + sf.PAGE] = np.frombuffer(trailer, dtype=np.uint8)
-            store._hook("footer")
-            store._eng.write_all(f.fd, footer_off, buf, 0, tail_size, str(tmp))
-            view[: sf.PAGE] = np.frombuffer(header, dtype=np.uint8)
-            store._eng.write_all(f.fd, 0, buf, 0, sf.PAGE, str(tmp))
-        finally:
-            store._put_staging(item)
         file_bytes = footer_off + tail_size
         if store.durability == "fsync":
             store._hook("fsync")
@@ -149,20 +224,29 @@ def write_segment(store: PersistentStore, records: list, supersedes: list[bytes]
     seg.file_bytes = file_bytes
     with store._lock:
         store._segs[uuid] = seg
-        for rid, parent, off, created, padded, bi, ki, h, rbytes in rows:
-            old = store._ix.recs.get(rid)
-            if raw is not None and old is None:
-                continue  # deleted while being copied: stays deleted
-            if old is not None:
+        if raw is None:
+            store._ix.add_many(new_recs)  # fresh record ids: none is indexed yet
+        else:
+            for r in new_recs:
+                old = store._ix.recs.get(r.rid)
+                if old is None:
+                    continue  # deleted while being copied: stays deleted
                 store._ix.remove(old)
-                atime = old.atime_ns
-            else:
-                atime = None
-            r = StoredRecord(rid, parent, seg, off, padded, bi, created, store._ix.key_id(keys[ki]), h)
-            if atime is not None:
-                r.atime_ns = atime
-            store._ix.add(r)
+                r.atime_ns = old.atime_ns
+                store._ix.add(r)
     return file_bytes
+
+
+def _stored_records(store: PersistentStore, lay: _Layout, seg: SegmentFile, hashes: list[bytes]) -> list[StoredRecord]:
+    """The index entries of a segment's records (added once it is published)."""
+    with store._lock:
+        kid = [store._ix.key_id(k) for k in lay.keys]
+    e = lay.entries
+    created = e["created_ns"].tolist()
+    return [StoredRecord(rid, parent, seg, off, padded, bi, c, kid[ki], h)
+            for rid, parent, off, padded, bi, c, ki, h in zip(
+                e["record_id"].tolist(), e["parent_id"].tolist(), lay.offsets, lay.padded,
+                e["block_index"].tolist(), created, e["key_index"].tolist(), hashes)]
 
 
 def _retire(store: PersistentStore, in_flight: list) -> None:
@@ -174,44 +258,28 @@ def _retire(store: PersistentStore, in_flight: list) -> None:
         store._put_staging(item)
 
 
-def _record_bytes(view: np.ndarray, at: int) -> int:
-    return int(view[at: at + sf.REC_HEADER_BYTES].view(sf.REC_DTYPE)[0]["record_bytes"])
-
-
-def _head(p: PendingRecord, at: int, file_off: int, specs: list, rows, keys, key_ix, created: int) -> int:
-    """Packs one record's head and queues it for encode_records (which writes token ids,
-    key, payload and padding and fills both CRCs)."""
-    T, K, P = p.tokens.size, len(p.key), p.payload.size
-    po, rbytes, padded = sf.record_geometry(T, K, P)
-    head = sf.pack_record_header(record_id=p.rid, parent_id=p.parent, created_ns=created,
-                                 block_index=p.block_index, token_count=T, key_bytes=K, payload_offset=po,
-                                 payload_bytes=P, record_bytes=rbytes, block_hash=p.block_hash,
-                                 parent_hash=p.parent_hash, sealed=False)
-    specs.append((at, head, p.tokens, p.key, p.payload))
-    ki = key_ix.setdefault(p.key, len(keys))
-    if ki == len(keys):
-        keys.append(p.key)
-    rows.append((p.rid, p.parent, file_off + at, created, padded, p.block_index, ki, p.block_hash, rbytes))
-    return at + padded
-
-
 class ChunkWriter:
-    """A store's writer threads (one per write in flight): they write chunks while the
-    caller encodes the next. Plain daemon threads, not concurrent.futures: that refuses new
+    """A store's writer thread(s): they write the queued chunks in order while the caller
+    encodes the next. Plain daemon threads, not concurrent.futures: that refuses new
     work once interpreter shutdown has begun, and a cache commits its queued writes at exit.
     Threads that are gone (a forked child inherits none) are started again."""
 
-    def __init__(self, threads: int = _IN_FLIGHT):
+    def __init__(self, threads: int = _WRITER_THREADS):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._n = threads
         self._threads: list[threading.Thread] = []
 
-    def submit(self, fn, *args) -> "_Job":
+    def start(self) -> None:
+        """Starts the threads that are not running (a writable store does at open, so its
+        first commit does not wait for a thread to start)."""
         self._threads = [t for t in self._threads if t.is_alive()]
-        if len(self._threads) < self._n:
+        while len(self._threads) < self._n:
             t = threading.Thread(target=self._run, name="dsv41-store-write", daemon=True)
             t.start()
             self._threads.append(t)
+
+    def submit(self, fn, *args) -> "_Job":
+        self.start()  # after a fork the child has none
         job = _Job()
         self._q.put((job, fn, args))
         return job
@@ -268,8 +336,12 @@ def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> Comm
         return res
     t0 = time.perf_counter()
     groups, cur, cur_bytes = [], [], sf.PAGE * 3
+    T, P = store.identity.block_tokens, store.identity.block_bytes
+    padded_of: dict[int, int] = {}  # key length -> padded record bytes (put() fixed T and P)
     for p in pending:
-        padded = sf.record_geometry(p.tokens.size, len(p.key), p.payload.size)[2]
+        padded = padded_of.get(len(p.key))
+        if padded is None:
+            padded = padded_of[len(p.key)] = sf.record_geometry(T, len(p.key), P)[2]
         if cur and cur_bytes + padded + 128 > store.segment_bytes:
             groups.append(cur)
             cur, cur_bytes = [], sf.PAGE * 3
