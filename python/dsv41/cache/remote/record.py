@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..io import crc32c
-from ..store.format import (REC_HEADER, REC_HEADER_BYTES, REC_MAGIC, STORE_FORMAT_VERSION, pack_record_header,
-                            record_geometry)
+from ..store.format import (REC_DTYPE, REC_HEADER, REC_HEADER_BYTES, REC_MAGIC, STORE_FORMAT_VERSION,
+                            pack_record_header, record_geometry)
 
-__all__ = ["encode_record", "encode_records", "verify_record", "chain_ids", "Verified", "STATUSES"]
+__all__ = ["encode_record", "encode_records", "verify_record", "verify_records", "chain_ids", "Verified",
+           "STATUSES"]
 
 STATUSES = ("ok", "corrupt", "foreign", "collision")
 _DOMAIN_CHAIN = b"dsv41.remote.chain.v1"
@@ -45,10 +46,23 @@ def _chain_step(parent: int, tokens: np.ndarray, key: bytes) -> int:
 
 
 def chain_ids(tok: np.ndarray, key: bytes, start: int = 0, parent: int = 0) -> list[int]:
-    """Chain ids of the blocks tok[start:] (uint32 [n, B]); `parent` is block start-1's."""
+    """Chain ids of the blocks tok[start:] (uint32 [n, B]); `parent` is block start-1's.
+    The same bytes as _chain_step, fed to one pre-seeded SHA-256 per block (this runs for
+    every block of every remote lookup: the Python work per block is kept to a minimum)."""
+    rows = np.ascontiguousarray(tok[start:], dtype="<u4")
+    if not rows.size:
+        return []
+    seed = hashlib.sha256(_DOMAIN_CHAIN)
+    tail = len(key).to_bytes(8, "little") + key
+    flat = memoryview(rows.reshape(-1).view(np.uint8))
+    w = rows.shape[1] * 4
     out = []
-    for row in tok[start:]:
-        parent = _chain_step(parent, row, key)
+    for o in range(0, len(flat), w):
+        h = seed.copy()
+        h.update(parent.to_bytes(8, "little"))
+        h.update(flat[o: o + w])
+        h.update(tail)
+        parent = int.from_bytes(h.digest()[:8], "little") or 1  # 0 means "no parent"
         out.append(parent)
     return out
 
@@ -79,26 +93,53 @@ def encode_record(*, key: bytes, tokens: np.ndarray, payload, block_index: int, 
 def encode_records(*, key: bytes, tokens: np.ndarray, payloads: np.ndarray, block_indices, block_hashes,
                    parent_hashes, chain_ids, parent_chains, created_ns: int | None = None) -> list[memoryview]:
     """encode_record for n blocks of one chain at once (tokens uint32 [n, T], payloads uint8
-    [n, P]): one buffer, the token ids, key and payloads placed by whole-array copies, so the
-    per-block Python work is just the header. Returns one value (a row view) per block."""
+    [n, P]): one buffer; token ids, key, payloads and the header fields are placed by
+    whole-array copies, so the per-block Python work is the two CRC calls. Returns one value
+    (a row view) per block; the bytes equal encode_record's."""
     tokens = np.ascontiguousarray(tokens, dtype="<u4")
     n, T = tokens.shape
     P, K = payloads.shape[1], len(key)
     po, rbytes, _ = record_geometry(T, K, P)
-    buf = np.zeros((n, rbytes), dtype=np.uint8)
     base = REC_HEADER_BYTES
+    buf = np.empty((n, rbytes), dtype=np.uint8)   # every byte is written below (no zero-fill pass)
     buf[:, base: base + 4 * T] = tokens.view(np.uint8).reshape(n, 4 * T)
     buf[:, base + 4 * T: base + 4 * T + K] = np.frombuffer(key, dtype=np.uint8)
+    buf[:, base + 4 * T + K: po] = 0
     buf[:, po:] = payloads
-    created = time.time_ns() if created_ns is None else created_ns
-    for i in range(n):
-        row = buf[i]
-        head = pack_record_header(record_id=chain_ids[i], parent_id=parent_chains[i], created_ns=created,
-                                  block_index=block_indices[i], token_count=T, key_bytes=K, payload_offset=po,
-                                  payload_bytes=P, record_bytes=rbytes, block_hash=block_hashes[i],
-                                  parent_hash=parent_hashes[i], data_crc=crc32c(row[base:]))
-        row[:base] = np.frombuffer(head, dtype=np.uint8)
-    return [memoryview(buf[i]) for i in range(n)]
+    head = np.zeros(n, dtype=REC_DTYPE)
+    head["magic"], head["version"], head["header_bytes"] = REC_MAGIC, STORE_FORMAT_VERSION, REC_HEADER_BYTES
+    head["record_id"], head["parent_id"] = chain_ids, parent_chains
+    head["created_ns"] = time.time_ns() if created_ns is None else created_ns
+    head["block_index"] = block_indices
+    head["token_count"], head["key_bytes"], head["payload_offset"] = T, K, po
+    head["payload_bytes"], head["record_bytes"] = P, rbytes
+    hv = head.view(np.uint8).reshape(n, REC_HEADER_BYTES)
+    for col, hashes in ((_BLOCK_HASH, block_hashes), (_PARENT_HASH, parent_hashes)):
+        _place_hashes(hv[:, col: col + 32], hashes)
+    hb = {len(h) for h in block_hashes}
+    head["hash_bytes"] = hb.pop() if len(hb) == 1 else [len(h) for h in block_hashes]
+    flat = memoryview(buf.reshape(-1))
+    head["data_crc"] = [crc32c(flat[o + base: o + rbytes]) for o in range(0, n * rbytes, rbytes)]
+    hflat = memoryview(hv.reshape(-1))
+    head["header_crc"] = [crc32c(hflat[o: o + 252]) for o in range(0, n * base, base)]
+    buf[:, :base] = hv
+    return [flat[o: o + rbytes] for o in range(0, n * rbytes, rbytes)]
+
+
+_BLOCK_HASH = REC_DTYPE.fields["block_hash"][1]
+_PARENT_HASH = REC_DTYPE.fields["parent_hash"][1]
+
+
+def _place_hashes(dst: np.ndarray, hashes) -> None:
+    """dst uint8 [n, 32] (zeros) <- the hashes, left-aligned (REC_HEADER's 32s fields)."""
+    lens = {len(h) for h in hashes}
+    if len(lens) == 1:
+        L = lens.pop()
+        if L:
+            dst[:, :L] = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(-1, L)
+    else:
+        for i, h in enumerate(hashes):
+            dst[i, : len(h)] = np.frombuffer(h, dtype=np.uint8)
 
 
 @dataclass
@@ -140,3 +181,84 @@ def verify_record(value, *, key: bytes, block_index: int, block_hash: bytes, par
     if not same:
         return Verified("collision")
     return Verified("ok", v[po: po + P], toks, created, rec_id)
+
+
+def verify_records(values, *, key: bytes, start: int, hashes, parent_hash: bytes, chain, parent_chain: int,
+                   tokens: np.ndarray, payload_bytes: int) -> tuple[np.ndarray, str | None]:
+    """verify_record for consecutive blocks start, start+1, ... of one chain at once: the
+    checks are the same, made by whole-array comparisons over one buffer (only the CRCs are
+    per block). values[j] is block start+j's value or None (missing); hashes[j], chain[j]
+    and tokens[j] (uint32 [n, T]) what block start+j must be; parent_hash / parent_chain
+    block start-1's. Returns (payloads, status): payloads uint8 [m, payload_bytes] (a view
+    into one buffer the call allocated) of the longest run that passed every check, and the
+    status of the value that ended it ("corrupt", "foreign", "collision"; None when the run
+    ended at a missing value or at the end)."""
+    tokens = np.ascontiguousarray(tokens, dtype="<u4")
+    T, K, P = tokens.shape[1], len(key), payload_bytes
+    po, rbytes, _ = record_geometry(T, K, P)
+    want = min(len(values), len(tokens), len(hashes), len(chain))
+    buf = bytearray(want * rbytes)
+    mv = memoryview(buf)
+    n, stop = 0, None           # rows copied; the index of a value of the wrong size
+    for v in values[:want]:
+        if v is None:
+            break
+        if len(v) != rbytes:
+            stop = n
+            break
+        mv[n * rbytes: (n + 1) * rbytes] = v
+        n += 1
+    rows = np.frombuffer(buf, dtype=np.uint8).reshape(want, rbytes)[:n]
+    ok = _rows_ok(rows, mv, n, rbytes, key=key, start=start, hashes=hashes[:n], parent_hash=parent_hash,
+                  chain=chain[:n], parent_chain=parent_chain, tokens=tokens[:n], payload_bytes=P, po=po)
+    good = n if ok.all() else int(np.argmin(ok))
+    status = None
+    if good < n or stop is not None:
+        # The first failure is classified by the one-value check (its order of checks decides
+        # corrupt / foreign / collision); a value it passes would be a disagreement between the
+        # two, which is treated as corrupt rather than served.
+        j = good
+        st = verify_record(values[j], key=key, block_index=start + j, block_hash=hashes[j],
+                           parent_hash=hashes[j - 1] if j else parent_hash,
+                           parent_chain=chain[j - 1] if j else parent_chain, chain_id=chain[j],
+                           tokens=tokens[j], payload_bytes=P).status
+        status = st if st != "ok" else "corrupt"
+    return rows[:good, po: po + P], status
+
+
+def _rows_ok(rows: np.ndarray, mv: memoryview, n: int, rbytes: int, *, key, start, hashes, parent_hash, chain,
+             parent_chain, tokens, payload_bytes, po) -> np.ndarray:
+    """bool [n]: which rows (whole records of the expected size) pass every check."""
+    if n == 0:
+        return np.ones(0, dtype=bool)
+    lens = {len(h) for h in hashes} | {len(parent_hash)}
+    if len(lens) != 1:   # hashes of mixed lengths (not produced by one hasher): one by one
+        return np.array([verify_record(mv[j * rbytes: (j + 1) * rbytes], key=key, block_index=start + j,
+                                       block_hash=hashes[j], parent_hash=hashes[j - 1] if j else parent_hash,
+                                       parent_chain=chain[j - 1] if j else parent_chain, chain_id=chain[j],
+                                       tokens=tokens[j], payload_bytes=payload_bytes).status == "ok"
+                         for j in range(n)], dtype=bool)
+    L = lens.pop()
+    T, K, base = tokens.shape[1], len(key), REC_HEADER_BYTES
+    head = np.ndarray((n,), dtype=REC_DTYPE, buffer=rows, strides=(rbytes,))
+    hv = rows[:, :base]
+    ok = head["magic"] == REC_MAGIC
+    ok &= head["header_crc"] == [crc32c(mv[o: o + 252]) for o in range(0, n * rbytes, rbytes)]
+    ok &= head["data_crc"] == [crc32c(mv[o + base: o + rbytes]) for o in range(0, n * rbytes, rbytes)]
+    ok &= (head["version"] == STORE_FORMAT_VERSION) & (head["header_bytes"] == base)
+    ok &= (head["token_count"] == T) & (head["key_bytes"] == K) & (head["payload_offset"] == po)
+    ok &= (head["payload_bytes"] == payload_bytes) & (head["record_bytes"] == rbytes)
+    ok &= (rows[:, base + 4 * T: base + 4 * T + K] == np.frombuffer(key, dtype=np.uint8)).all(axis=1)
+    ok &= head["block_index"] == np.arange(start, start + n)
+    ok &= head["hash_bytes"] == L
+    if L:
+        want = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(n, L)
+        ok &= (hv[:, _BLOCK_HASH: _BLOCK_HASH + L] == want).all(axis=1)
+        ok[0] &= bool((hv[0, _PARENT_HASH: _PARENT_HASH + L] == np.frombuffer(parent_hash, dtype=np.uint8)).all())
+        ok[1:] &= (hv[1:, _PARENT_HASH: _PARENT_HASH + L] == want[:-1]).all(axis=1)
+    ids = np.array(chain, dtype=np.uint64)
+    ok &= head["record_id"] == ids
+    ok[0] &= bool(head["parent_id"][0] == parent_chain)
+    ok[1:] &= head["parent_id"][1:] == ids[:-1]
+    ok &= (rows[:, base: base + 4 * T].view("<u4") == tokens).all(axis=1)
+    return ok

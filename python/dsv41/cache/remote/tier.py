@@ -32,7 +32,7 @@ import torch
 from ..swa_pool import TensorSnapshot
 from .base import Guarded, RemoteBackend, RemoteFull, RemoteUnavailable
 from .metrics import RemoteMetrics
-from .record import chain_ids, encode_record, encode_records, verify_record
+from .record import chain_ids, encode_record, encode_records, verify_record, verify_records
 from .snapshot_codec import decode_snapshot, encode_snapshot
 
 __all__ = ["RemoteTier", "RemoteConfig", "open_backend", "namespace_tag"]
@@ -129,8 +129,9 @@ class RemoteTier:
 
     def load_blocks(self, key: bytes, namespace: str, hashes: Sequence[bytes], tok: np.ndarray, start: int,
                     root: bytes) -> np.ndarray:
-        """Verified payloads of blocks start, start+1, ... (uint8 [n, block_bytes]; n may be 0):
-        the longest run the remote store holds. tok: uint32 [nb, B], every full block."""
+        """Verified payloads of blocks start, start+1, ... (uint8 [n, block_bytes], n may be 0;
+        rows of one fresh buffer, not necessarily contiguous): the longest run the remote store
+        holds. tok: uint32 [nb, B], every full block."""
         m = self.metrics
         want = min(len(hashes) - start, self.rc.max_lookup_blocks)
         empty = np.empty((0, self.block_bytes), dtype=np.uint8)
@@ -144,25 +145,18 @@ class RemoteTier:
             return empty
         t0 = time.perf_counter()
         chain = chain_ids(tok[: start + want], key)
-        out = np.empty((want, self.block_bytes), dtype=np.uint8)
-        n = 0
-        for j, v in enumerate(vals):
-            i = start + j
-            if v is None:
-                break
-            ver = verify_record(v, key=key, block_index=i, block_hash=hashes[i],
-                                parent_hash=hashes[i - 1] if i else root, parent_chain=chain[i - 1] if i else 0,
-                                chain_id=chain[i], tokens=tok[i], payload_bytes=self.block_bytes)
-            if ver.status != "ok":
-                m.verify_failures.inc(role="blocks", kind=ver.status)
-                break
-            out[n] = np.frombuffer(ver.payload, dtype=np.uint8)
-            n += 1
+        rows, status = verify_records(vals, key=key, start=start, hashes=hashes[start: start + want],
+                                      parent_hash=hashes[start - 1] if start else root, chain=chain[start:],
+                                      parent_chain=chain[start - 1] if start else 0,
+                                      tokens=tok[start: start + want], payload_bytes=self.block_bytes)
+        if status is not None:
+            m.verify_failures.inc(role="blocks", kind=status)
+        n = len(rows)
         m.verify_seconds.observe(time.perf_counter() - t0)
         m.hits.inc(n, role="blocks")
         m.misses.inc(want - n, role="blocks")
         m.bytes_read.inc(n * self.block_bytes, role="blocks")
-        return out[:n]
+        return rows
 
     def get_snapshot(self, key: bytes, namespace: str, arr: np.ndarray, hashes: Sequence[bytes], root: bytes,
                      max_blocks: int, limit: int) -> TensorSnapshot | None:
