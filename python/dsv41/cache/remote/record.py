@@ -22,6 +22,7 @@ This module is the one place the remote tier imports the record format from.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from dataclasses import dataclass
@@ -128,6 +129,27 @@ def encode_records(*, key: bytes, tokens: np.ndarray, payloads: np.ndarray, bloc
 
 _BLOCK_HASH = REC_DTYPE.fields["block_hash"][1]
 _PARENT_HASH = REC_DTYPE.fields["parent_hash"][1]
+
+
+@functools.lru_cache(maxsize=16)
+def _expected_header(T: int, K: int, P: int, L: int) -> tuple[np.ndarray, np.ndarray]:
+    """(template uint8 [1, 256], mask uint8 [256]): the header fields verify_record checks
+    that depend only on the geometry, and a mask of every byte it checks (these plus block
+    index, chain ids and the first L bytes of both hashes; not flags, reserved bytes,
+    created_ns or the CRCs, which are compared separately)."""
+    po, rbytes, _ = record_geometry(T, K, P)
+    h = np.zeros(1, dtype=REC_DTYPE)
+    h["magic"], h["version"], h["header_bytes"] = REC_MAGIC, STORE_FORMAT_VERSION, REC_HEADER_BYTES
+    h["token_count"], h["key_bytes"], h["payload_offset"] = T, K, po
+    h["payload_bytes"], h["record_bytes"], h["hash_bytes"] = P, rbytes, L
+    mask = np.zeros(REC_HEADER_BYTES, dtype=np.uint8)
+    for name in ("magic", "version", "header_bytes", "record_id", "parent_id", "block_index", "token_count",
+                 "key_bytes", "payload_offset", "payload_bytes", "record_bytes", "hash_bytes"):
+        dt, off = REC_DTYPE.fields[name][:2]
+        mask[off: off + dt.itemsize] = 0xFF
+    mask[_BLOCK_HASH: _BLOCK_HASH + L] = 0xFF
+    mask[_PARENT_HASH: _PARENT_HASH + L] = 0xFF
+    return h.view(np.uint8).reshape(1, REC_HEADER_BYTES), mask
 
 
 def _place_hashes(dst: np.ndarray, hashes) -> None:
@@ -240,25 +262,25 @@ def _rows_ok(rows: np.ndarray, mv: memoryview, n: int, rbytes: int, *, key, star
                          for j in range(n)], dtype=bool)
     L = lens.pop()
     T, K, base = tokens.shape[1], len(key), REC_HEADER_BYTES
-    head = np.ndarray((n,), dtype=REC_DTYPE, buffer=rows, strides=(rbytes,))
-    hv = rows[:, :base]
-    ok = head["magic"] == REC_MAGIC
-    ok &= head["header_crc"] == [crc32c(mv[o: o + 252]) for o in range(0, n * rbytes, rbytes)]
-    ok &= head["data_crc"] == [crc32c(mv[o + base: o + rbytes]) for o in range(0, n * rbytes, rbytes)]
-    ok &= (head["version"] == STORE_FORMAT_VERSION) & (head["header_bytes"] == base)
-    ok &= (head["token_count"] == T) & (head["key_bytes"] == K) & (head["payload_offset"] == po)
-    ok &= (head["payload_bytes"] == payload_bytes) & (head["record_bytes"] == rbytes)
-    ok &= (rows[:, base + 4 * T: base + 4 * T + K] == np.frombuffer(key, dtype=np.uint8)).all(axis=1)
-    ok &= head["block_index"] == np.arange(start, start + n)
-    ok &= head["hash_bytes"] == L
+    tmpl, mask = _expected_header(T, K, payload_bytes, L)
+    # The header as it must be (every field the one-value check compares), compared in one
+    # masked pass; then token ids and key, then the two CRCs.
+    exp = np.repeat(tmpl, n, axis=0)
+    ev = exp.view(REC_DTYPE).reshape(n)
+    ids = np.array(chain, dtype=np.uint64)
+    ev["block_index"] = np.arange(start, start + n)
+    ev["record_id"] = ids
+    ev["parent_id"][0] = parent_chain
+    ev["parent_id"][1:] = ids[:-1]
     if L:
         want = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(n, L)
-        ok &= (hv[:, _BLOCK_HASH: _BLOCK_HASH + L] == want).all(axis=1)
-        ok[0] &= bool((hv[0, _PARENT_HASH: _PARENT_HASH + L] == np.frombuffer(parent_hash, dtype=np.uint8)).all())
-        ok[1:] &= (hv[1:, _PARENT_HASH: _PARENT_HASH + L] == want[:-1]).all(axis=1)
-    ids = np.array(chain, dtype=np.uint64)
-    ok &= head["record_id"] == ids
-    ok[0] &= bool(head["parent_id"][0] == parent_chain)
-    ok[1:] &= head["parent_id"][1:] == ids[:-1]
+        exp[:, _BLOCK_HASH: _BLOCK_HASH + L] = want
+        exp[0, _PARENT_HASH: _PARENT_HASH + L] = np.frombuffer(parent_hash, dtype=np.uint8)
+        exp[1:, _PARENT_HASH: _PARENT_HASH + L] = want[:-1]
+    ok = ~((rows[:, :base] ^ exp) & mask).any(axis=1)
     ok &= (rows[:, base: base + 4 * T].view("<u4") == tokens).all(axis=1)
+    ok &= (rows[:, base + 4 * T: base + 4 * T + K] == np.frombuffer(key, dtype=np.uint8)).all(axis=1)
+    head = np.ndarray((n,), dtype=REC_DTYPE, buffer=rows, strides=(rbytes,))
+    ok &= head["header_crc"] == [crc32c(mv[o: o + 252]) for o in range(0, n * rbytes, rbytes)]
+    ok &= head["data_crc"] == [crc32c(mv[o + base: o + rbytes]) for o in range(0, n * rbytes, rbytes)]
     return ok

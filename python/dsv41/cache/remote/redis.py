@@ -6,10 +6,10 @@ hits `GETEX k PX ttl`, pipelined, so a value lives for ttl since its last use; c
 the server with `maxmemory-policy volatile-lru` so only such values are evicted. Per-tenant
 ACL users restricted to their key prefix: docs/remote.md.
 
-Calls run in the caller's thread (`bounds_itself`): the connection and every reply are
-waited for at most the call's deadline (socket timeouts set from what is left of it), so
-Guarded needs no worker thread and its handoff for them. Sends are bounded by the socket
-timeout (socket_timeout_s); a lookup sends only keys.
+Calls run in the caller's thread (`bounds_itself`): connecting, sending and each read of
+the replies wait at most what is left of the call's deadline (socket timeouts), and no reply
+is waited for once it has passed, so Guarded needs no worker thread, and no handoff to one,
+for them. (A new connection's first send is bounded by socket_timeout_s, 2 s.)
 """
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from typing import Sequence
 
 from .base import RemoteBackend, RemoteError, RemoteTimeout
 
-__all__ = ["RedisBackend"]
+__all__ = ["RedisBackend", "SMALL_VALUE_BYTES"]
+
+SMALL_VALUE_BYTES = 6000   # redis-py's buffer cutoff: larger arguments are sent on their own
 
 
 class RedisBackend(RemoteBackend):
@@ -66,14 +68,24 @@ class RedisBackend(RemoteBackend):
                         conn.disconnect()    # a stray reply, or a closed peer
                 except (redis.ConnectionError, OSError):
                     conn.disconnect()        # the server went away (a restart): connect again
+            # The socket's timeout is set to what is left of the deadline before the send and
+            # the reads (redis-py's per-read timeout argument would set and reset it around
+            # every recv: two syscalls each); a new connection connects within it too.
+            sock = getattr(conn, "_sock", None)
+            if sock is not None:
+                sock.settimeout(max(1e-3, end - time.monotonic()))
             conn.socket_connect_timeout = max(1e-3, end - time.monotonic())
             conn.send_packed_command(conn.pack_commands(commands))
+            if getattr(conn, "_sock", None) is not sock:   # connected just now, with socket_timeout_s
+                sock = getattr(conn, "_sock", None)
+                if sock is not None:
+                    sock.settimeout(max(1e-3, end - time.monotonic()))
             out = []
             for _ in commands:
                 left = end - time.monotonic()
                 if left <= 0:
                     raise redis.TimeoutError(f"no reply within {limit * 1e3:.0f} ms")
-                out.append(conn.read_response(timeout=left))
+                out.append(conn.read_response() if sock is not None else conn.read_response(timeout=left))
             return out
         except redis.TimeoutError as e:
             conn.disconnect()
@@ -113,6 +125,9 @@ class RedisBackend(RemoteBackend):
         is the same block; the tier skips keys that exist before it writes)."""
         if not items:
             return
+        # Small values as bytes: redis-py packs those into one send with the command around
+        # them, where each memoryview would cost a send of its own.
+        items = [(k, bytes(v) if isinstance(v, memoryview) and len(v) <= SMALL_VALUE_BYTES else v) for k, v in items]
         if ttl_s:
             px = max(1, int(ttl_s * 1000))
             cmds = [("SET", k, v, "PX", px) if overwrite else ("SET", k, v, "PX", px, "NX") for k, v in items]

@@ -115,6 +115,11 @@ class RemoteTier:
     def block_key(self, namespace: str, block_hash: bytes) -> str:
         return f"{self._prefix(namespace)}:kv:{block_hash.hex()}"
 
+    def block_keys(self, namespace: str, block_hashes: Sequence[bytes]) -> list[str]:
+        """block_key of each hash (the prefix built once)."""
+        kv = f"{self._prefix(namespace)}:kv:"
+        return [kv + h.hex() for h in block_hashes]
+
     def snapshot_key(self, namespace: str, anchor_hash: bytes) -> str:
         return f"{self._prefix(namespace)}:swa:{anchor_hash.hex()}"
 
@@ -137,7 +142,7 @@ class RemoteTier:
         empty = np.empty((0, self.block_bytes), dtype=np.uint8)
         if self.blocks is None or want <= 0:
             return empty
-        keys = [self.block_key(namespace, h) for h in hashes[start: start + want]]
+        keys = self.block_keys(namespace, hashes[start: start + want])
         try:
             vals = self.blocks.call("get", self._deadline(want * self.block_bytes), keys)
         except RemoteUnavailable:
@@ -269,7 +274,7 @@ class RemoteTier:
 
     def _write_blocks(self, key, namespace, hashes, tok, start, payloads, root) -> None:
         idx = list(range(start, len(hashes)))
-        keys = [self.block_key(namespace, hashes[i]) for i in idx]
+        keys = self.block_keys(namespace, [hashes[i] for i in idx])
         try:  # skip what another server wrote already (Mooncake would keep it anyway)
             have = self.blocks.call("exists", self.rc.write_timeout_s, keys)
         except RemoteUnavailable as e:
@@ -296,7 +301,7 @@ class RemoteTier:
                                 parent_hashes=[hashes[i - 1] if i else root for i in which],
                                 chain_ids=[chain[i] for i in which],
                                 parent_chains=[chain[i - 1] if i else 0 for i in which])
-        return [(self.block_key(namespace, hashes[i]), v) for i, v in zip(which, values)]
+        return list(zip(self.block_keys(namespace, [hashes[i] for i in which]), values))
 
     def snapshot_value(self, key: bytes, namespace: str, arr: np.ndarray, hashes: Sequence[bytes], root: bytes,
                        snap: TensorSnapshot) -> tuple[str, bytes]:
