@@ -115,7 +115,8 @@ def bench_io(args, servers, model_config, payloads: np.ndarray, label: str) -> d
 
                 def tier_put():  # records (header, CRC-32C) through the guard, as the writer does
                     t0 = time.perf_counter()
-                    items = c.remote.block_values(key, ns, hashes, tok, range(s, e), payloads, 0, root)
+                    items = c.remote.block_values(key, ns, hashes, tok, range(s, e), payloads, 0, root,
+                                                  parts=be.takes_parts)
                     guard.call("put", 10.0, items)
                     res["tier_put_s"].append(time.perf_counter() - t0)
                 for f in ((raw_put, tier_put) if bi % 2 == 0 else (tier_put, raw_put)):   # alternate who goes first

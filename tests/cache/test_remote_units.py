@@ -81,6 +81,10 @@ def test_record_roundtrip_and_every_failure_kind():
     many = encode_records(key=key, tokens=tok, payloads=pay, block_indices=[0, 1, 2], block_hashes=hashes,
                           parent_hashes=parents, chain_ids=chain, parent_chains=[0] + chain[:2], created_ns=7)
     assert [bytes(x) for x in many] == [bytes(x) for x in one]
+    split = encode_records(key=key, tokens=tok, payloads=pay, block_indices=[0, 1, 2], block_hashes=hashes,
+                           parent_hashes=parents, chain_ids=chain, parent_chains=[0] + chain[:2], created_ns=7,
+                           parts=True)
+    assert [b"".join(bytes(p) for p in x) for x in split] == [bytes(x) for x in one]
 
 
 def test_batch_verifier_agrees_with_the_one_value_check():

@@ -53,6 +53,9 @@ class RemoteBackend(abc.ABC):
     # and raise RemoteTimeout): Guarded then calls it in the caller's thread, without the
     # worker handoff that a client which can hang (Mooncake's) needs.
     bounds_itself = False
+    # put() accepts a value as a tuple of bytes-like parts, stored as their concatenation
+    # (the tier then hands it the payload without copying it into the record).
+    takes_parts = False
 
     def __init__(self, url: str):
         self.url = url
@@ -69,7 +72,8 @@ class RemoteBackend(abc.ABC):
 
     @abc.abstractmethod
     def put(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None, overwrite: bool = False) -> None:
-        """Stores values; overwrite=False may leave an existing value in place."""
+        """Stores values; overwrite=False may leave an existing value in place. A value is
+        bytes-like, or a tuple of parts where takes_parts is set."""
 
     @abc.abstractmethod
     def remove(self, keys: Sequence[str]) -> None: ...

@@ -33,8 +33,8 @@ from ..io import crc32c
 from ..store.format import (REC_DTYPE, REC_HEADER, REC_HEADER_BYTES, REC_MAGIC, STORE_FORMAT_VERSION,
                             pack_record_header, record_geometry)
 
-__all__ = ["encode_record", "encode_records", "verify_record", "verify_records", "chain_ids", "Verified",
-           "STATUSES"]
+__all__ = ["encode_record", "encode_records", "verify_record", "verify_records", "chain_ids", "value_bytes",
+           "Verified", "STATUSES"]
 
 STATUSES = ("ok", "corrupt", "foreign", "collision")
 _DOMAIN_CHAIN = b"dsv41.remote.chain.v1"
@@ -92,21 +92,23 @@ def encode_record(*, key: bytes, tokens: np.ndarray, payload, block_index: int, 
 
 
 def encode_records(*, key: bytes, tokens: np.ndarray, payloads: np.ndarray, block_indices, block_hashes,
-                   parent_hashes, chain_ids, parent_chains, created_ns: int | None = None) -> list[memoryview]:
+                   parent_hashes, chain_ids, parent_chains, created_ns: int | None = None, parts: bool = False) -> list:
     """encode_record for n blocks of one chain at once (tokens uint32 [n, T], payloads uint8
-    [n, P]): one buffer; token ids, key, payloads and the header fields are placed by
-    whole-array copies, so the per-block Python work is the two CRC calls. Returns one value
-    (a row view) per block; the bytes equal encode_record's."""
+    [n, P]): token ids, key and the header fields are placed by whole-array copies, so the
+    per-block Python work is the CRC calls. Returns one value per block, whose bytes equal
+    encode_record's: a row view of one buffer, or with parts=True a (head, payload) pair of
+    views whose concatenation is the value (the payload is then not copied at all: for a
+    backend that can send a value in pieces)."""
     tokens = np.ascontiguousarray(tokens, dtype="<u4")
+    payloads = np.ascontiguousarray(payloads).view(np.uint8)
     n, T = tokens.shape
     P, K = payloads.shape[1], len(key)
     po, rbytes, _ = record_geometry(T, K, P)
     base = REC_HEADER_BYTES
-    buf = np.empty((n, rbytes), dtype=np.uint8)   # every byte is written below (no zero-fill pass)
-    buf[:, base: base + 4 * T] = tokens.view(np.uint8).reshape(n, 4 * T)
-    buf[:, base + 4 * T: base + 4 * T + K] = np.frombuffer(key, dtype=np.uint8)
-    buf[:, base + 4 * T + K: po] = 0
-    buf[:, po:] = payloads
+    heads = np.empty((n, po), dtype=np.uint8)   # header, token ids, key, zeros up to the payload
+    heads[:, base: base + 4 * T] = tokens.view(np.uint8).reshape(n, 4 * T)
+    heads[:, base + 4 * T: base + 4 * T + K] = np.frombuffer(key, dtype=np.uint8)
+    heads[:, base + 4 * T + K:] = 0
     head = np.zeros(n, dtype=REC_DTYPE)
     head["magic"], head["version"], head["header_bytes"] = REC_MAGIC, STORE_FORMAT_VERSION, REC_HEADER_BYTES
     head["record_id"], head["parent_id"] = chain_ids, parent_chains
@@ -119,12 +121,25 @@ def encode_records(*, key: bytes, tokens: np.ndarray, payloads: np.ndarray, bloc
         _place_hashes(hv[:, col: col + 32], hashes)
     hb = {len(h) for h in block_hashes}
     head["hash_bytes"] = hb.pop() if len(hb) == 1 else [len(h) for h in block_hashes]
+    hflat, pflat = memoryview(heads.reshape(-1)), memoryview(payloads.reshape(-1))
+    # data CRC over [256, record_bytes): the head's tail, continued over the payload row
+    head["data_crc"] = [crc32c(pflat[i * P: (i + 1) * P], crc32c(hflat[i * po + base: (i + 1) * po]))
+                        for i in range(n)]
+    hvflat = memoryview(hv.reshape(-1))
+    head["header_crc"] = [crc32c(hvflat[o: o + 252]) for o in range(0, n * base, base)]
+    heads[:, :base] = hv
+    if parts:
+        return [(hflat[i * po: (i + 1) * po], pflat[i * P: (i + 1) * P]) for i in range(n)]
+    buf = np.empty((n, rbytes), dtype=np.uint8)
+    buf[:, :po] = heads
+    buf[:, po:] = payloads
     flat = memoryview(buf.reshape(-1))
-    head["data_crc"] = [crc32c(flat[o + base: o + rbytes]) for o in range(0, n * rbytes, rbytes)]
-    hflat = memoryview(hv.reshape(-1))
-    head["header_crc"] = [crc32c(hflat[o: o + 252]) for o in range(0, n * base, base)]
-    buf[:, :base] = hv
     return [flat[o: o + rbytes] for o in range(0, n * rbytes, rbytes)]
+
+
+def value_bytes(value) -> int:
+    """Length of a value given whole or as parts."""
+    return sum(len(p) for p in value) if isinstance(value, tuple) else len(value)
 
 
 _BLOCK_HASH = REC_DTYPE.fields["block_hash"][1]

@@ -21,7 +21,35 @@ from .base import RemoteBackend, RemoteError, RemoteTimeout
 
 __all__ = ["RedisBackend", "SMALL_VALUE_BYTES"]
 
-SMALL_VALUE_BYTES = 6000   # redis-py's buffer cutoff: larger arguments are sent on their own
+SMALL_VALUE_BYTES = 6000   # larger arguments are sent as chunks of their own (redis-py's cutoff too)
+
+
+def _pack(commands: list[tuple]) -> list:
+    """The commands in the Redis protocol (RESP), as a list of chunks to send in order.
+    An argument is str, int, a bytes-like object, or a tuple of bytes-like parts sent as one
+    value (their concatenation). Large values and parts go out as chunks of their own,
+    unchanged (no copy); everything else is gathered into few buffers."""
+    chunks: list = []
+    buf = bytearray()
+    for cmd in commands:
+        buf += b"*%d\r\n" % len(cmd)
+        for a in cmd:
+            if isinstance(a, str):
+                a = a.encode()
+            elif isinstance(a, int):
+                a = b"%d" % a
+            pieces = a if isinstance(a, tuple) else (a,)
+            buf += b"$%d\r\n" % sum(len(x) for x in pieces)
+            for x in pieces:
+                if len(x) > SMALL_VALUE_BYTES:
+                    chunks.append(buf)
+                    chunks.append(x)
+                    buf = bytearray()
+                else:
+                    buf += x
+            buf += b"\r\n"
+    chunks.append(buf)
+    return chunks
 
 
 class RedisBackend(RemoteBackend):
@@ -29,6 +57,7 @@ class RedisBackend(RemoteBackend):
     native_ttl = True
     keeps_first = False
     bounds_itself = True
+    takes_parts = True
 
     def __init__(self, url: str, socket_timeout_s: float = 2.0):
         super().__init__(url)
@@ -75,7 +104,7 @@ class RedisBackend(RemoteBackend):
             if sock is not None:
                 sock.settimeout(max(1e-3, end - time.monotonic()))
             conn.socket_connect_timeout = max(1e-3, end - time.monotonic())
-            conn.send_packed_command(conn.pack_commands(commands))
+            conn.send_packed_command(_pack(commands))
             if getattr(conn, "_sock", None) is not sock:   # connected just now, with socket_timeout_s
                 sock = getattr(conn, "_sock", None)
                 if sock is not None:
@@ -125,9 +154,6 @@ class RedisBackend(RemoteBackend):
         is the same block; the tier skips keys that exist before it writes)."""
         if not items:
             return
-        # Small values as bytes: redis-py packs those into one send with the command around
-        # them, where each memoryview would cost a send of its own.
-        items = [(k, bytes(v) if isinstance(v, memoryview) and len(v) <= SMALL_VALUE_BYTES else v) for k, v in items]
         if ttl_s:
             px = max(1, int(ttl_s * 1000))
             cmds = [("SET", k, v, "PX", px) if overwrite else ("SET", k, v, "PX", px, "NX") for k, v in items]

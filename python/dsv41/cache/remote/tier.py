@@ -32,7 +32,7 @@ import torch
 from ..swa_pool import TensorSnapshot
 from .base import Guarded, RemoteBackend, RemoteFull, RemoteUnavailable
 from .metrics import RemoteMetrics
-from .record import chain_ids, encode_record, encode_records, verify_record, verify_records
+from .record import chain_ids, encode_record, encode_records, value_bytes, verify_record, verify_records
 from .snapshot_codec import decode_snapshot, encode_snapshot
 
 __all__ = ["RemoteTier", "RemoteConfig", "open_backend", "namespace_tag"]
@@ -282,12 +282,14 @@ class RemoteTier:
             return
         todo = [i for i, ok in zip(idx, have) if not ok]
         if todo:
-            self._put("blocks", self.blocks, self.block_values(key, namespace, hashes, tok, todo, payloads, start, root),
+            self._put("blocks", self.blocks, self.block_values(key, namespace, hashes, tok, todo, payloads, start, root,
+                                                               parts=self.blocks.backend.takes_parts),
                       None, overwrite=False)
 
     def block_values(self, key: bytes, namespace: str, hashes: Sequence[bytes], tok: np.ndarray,
-                     which: Sequence[int], payloads, start: int, root: bytes) -> list[tuple[str, memoryview]]:
-        """(remote key, value) of blocks `which` (payloads row i - start is block i)."""
+                     which: Sequence[int], payloads, start: int, root: bytes, parts: bool = False) -> list[tuple]:
+        """(remote key, value) of blocks `which` (payloads row i - start is block i); with
+        parts, each value is a (head, payload) pair of views (backends that take_parts)."""
         which = list(which)
         chain = chain_ids(tok[: max(which) + 1], key)
         rows = payloads.contiguous().view(torch.uint8).numpy() if isinstance(payloads, torch.Tensor) else payloads
@@ -300,7 +302,7 @@ class RemoteTier:
                                 block_hashes=[hashes[i] for i in which],
                                 parent_hashes=[hashes[i - 1] if i else root for i in which],
                                 chain_ids=[chain[i] for i in which],
-                                parent_chains=[chain[i - 1] if i else 0 for i in which])
+                                parent_chains=[chain[i - 1] if i else 0 for i in which], parts=parts)
         return list(zip(self.block_keys(namespace, [hashes[i] for i in which]), values))
 
     def snapshot_value(self, key: bytes, namespace: str, arr: np.ndarray, hashes: Sequence[bytes], root: bytes,
@@ -338,7 +340,7 @@ class RemoteTier:
             m.dropped_writes.inc(len(items), role=role, cause=e.cause)
             return
         m.writes.inc(len(items), role=role)
-        m.bytes_written.inc(sum(len(v) for _, v in items), role=role)
+        m.bytes_written.inc(sum(value_bytes(v) for _, v in items), role=role)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Waits until every queued write was done (or dropped); False on timeout."""
