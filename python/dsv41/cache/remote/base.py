@@ -50,8 +50,8 @@ class RemoteBackend(abc.ABC):
     native_ttl = False     # put/get honour ttl_s (else the tier checks a value's age itself)
     keeps_first = False    # a put of an existing key keeps the old value
     # The backend bounds each call by the time given to it (its operations take timeout_s=
-    # and raise RemoteTimeout): Guarded then calls it in the caller's thread, without the
-    # worker handoff that a client which can hang (Mooncake's) needs.
+    # and raise RemoteTimeout): while ready(), Guarded calls it in the caller's thread,
+    # without the worker handoff that a client which can hang (Mooncake's) needs.
     bounds_itself = False
     # put() accepts a value as a tuple of bytes-like parts, stored as their concatenation
     # (the tier then hands it the payload without copying it into the record).
@@ -77,6 +77,12 @@ class RemoteBackend(abc.ABC):
 
     @abc.abstractmethod
     def remove(self, keys: Sequence[str]) -> None: ...
+
+    def ready(self) -> bool:
+        """(bounds_itself backends) A call now needs no set-up that could outlast a lookup's
+        deadline (an open connection is at hand); else Guarded runs it in a worker, where
+        the set-up may finish after the caller stopped waiting, for the next call."""
+        return True
 
     def close(self) -> None:
         pass
@@ -136,7 +142,7 @@ class Guarded:
             raise RemoteUnavailable("breaker_open", self.backend.url)
         t0 = time.perf_counter()
         try:
-            if self.backend.bounds_itself:
+            if self.backend.bounds_itself and self.backend.ready():
                 out = getattr(self.backend, op)(*args, timeout_s=timeout_s, **kwargs)
             else:
                 out = self._in_worker(op, timeout_s, args, kwargs)

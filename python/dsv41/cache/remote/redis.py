@@ -6,10 +6,13 @@ hits `GETEX k PX ttl`, pipelined, so a value lives for ttl since its last use; c
 the server with `maxmemory-policy volatile-lru` so only such values are evicted. Per-tenant
 ACL users restricted to their key prefix: docs/remote.md.
 
-Calls run in the caller's thread (`bounds_itself`): connecting, sending and each read of
-the replies wait at most what is left of the call's deadline (socket timeouts), and no reply
-is waited for once it has passed, so Guarded needs no worker thread, and no handoff to one,
-for them. (A new connection's first send is bounded by socket_timeout_s, 2 s.)
+Calls run in the caller's thread (`bounds_itself`) while an open connection is at hand:
+sending and each read of the replies wait at most what is left of the call's deadline
+(socket timeouts), and no reply is waited for once it has passed, so Guarded needs no
+worker thread, and no handoff to one, for them. A call that would have to open a connection
+(the first ones, after an error, more concurrent calls than connections) runs in Guarded's
+worker instead, bounded there by socket_timeout_s (2 s) so that the new connection is
+kept for later calls even when the caller stopped waiting at its deadline.
 """
 from __future__ import annotations
 
@@ -75,8 +78,16 @@ class RedisBackend(RemoteBackend):
             raise RemoteError(f"the redis client is not installed: pip install redis ({e})") from e
         r = redis.Redis.from_url(self.url, socket_timeout=self.socket_timeout_s,
                                  socket_connect_timeout=self.socket_timeout_s)
-        r.ping()
+        conn = r.connection_pool.make_connection()   # the first call's connection, open already
+        conn.send_command("PING")
+        if conn.read_response() not in (b"PONG", "PONG", True):
+            raise RemoteError(f"{self.url}: PING was not answered with PONG")
         self._r = r
+        with self._lock:
+            self._idle.append(conn)
+
+    def ready(self) -> bool:
+        return bool(self._idle)
 
     @property
     def client(self):
