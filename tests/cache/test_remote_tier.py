@@ -354,3 +354,20 @@ def test_blocks_on_redis_round_trip_corruption_and_a_stopped_server(servers):
         raw.close()
         a.close()
         b.close()
+
+
+def test_snapshot_at_a_block_boundary_round_trips(servers):
+    """A snapshot whose tail past its anchor block is empty (the prompt ends on a block
+    boundary): its record holds no token ids and still round-trips."""
+    a, b = make_cache(servers), make_cache(servers)
+    try:
+        tok = tokens(50, 2 * B)
+        _, snap = write(a, tok, "edge", seed=50, snap_tokens=2 * B)
+        assert a.metrics.to_dict()["dsv41_cache_remote_writes_total"] == {"role=blocks": 2, "role=snapshots": 1}
+        m = b.match(np.concatenate([tok, tokens(51, 3)]), namespace="edge")
+        assert m.remote_blocks == 2 and m.remote_snapshot and m.snapshot.num_tokens == 2 * B
+        assert all(torch.equal(m.snapshot.tensors[k], snap.tensors[k]) for k in snap.tensors)
+        b.release(m)
+    finally:
+        a.close()
+        b.close()

@@ -99,6 +99,9 @@ def test_batch_verifier_agrees_with_the_one_value_check():
     p = 0
     assert chain == [p := _chain_step(p, row, key) for row in tok]
     assert chain_ids(tok, key, 2, chain[1]) == chain[2:]
+    empty = np.zeros((1, 0), dtype=np.uint32)   # a snapshot's tail at a block boundary
+    assert chain_ids(empty, key, parent=chain[-1]) == [_chain_step(chain[-1], empty[0], key)]
+    assert chain_ids(tok[:0], key) == []
     good = [bytes(_enc(key, tok, pay, i, chain, hashes)) for i in range(n)]
     other_ns = bytes(_enc(_key("b"), tok, pay, 2, chain_ids(tok, _key("b")), hashes))
     tok2 = tok.copy()

@@ -51,17 +51,15 @@ def chain_ids(tok: np.ndarray, key: bytes, start: int = 0, parent: int = 0) -> l
     The same bytes as _chain_step, fed to one pre-seeded SHA-256 per block (this runs for
     every block of every remote lookup: the Python work per block is kept to a minimum)."""
     rows = np.ascontiguousarray(tok[start:], dtype="<u4")
-    if not rows.size:
-        return []
     seed = hashlib.sha256(_DOMAIN_CHAIN)
     tail = len(key).to_bytes(8, "little") + key
     flat = memoryview(rows.reshape(-1).view(np.uint8))
-    w = rows.shape[1] * 4
+    w = rows.shape[1] * 4 if rows.ndim == 2 else 0   # a row may be empty (a snapshot's tail)
     out = []
-    for o in range(0, len(flat), w):
+    for i in range(len(rows)):
         h = seed.copy()
         h.update(parent.to_bytes(8, "little"))
-        h.update(flat[o: o + w])
+        h.update(flat[i * w: (i + 1) * w])
         h.update(tail)
         parent = int.from_bytes(h.digest()[:8], "little") or 1  # 0 means "no parent"
         out.append(parent)
