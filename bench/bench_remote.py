@@ -1,12 +1,19 @@
 """Remote tier benchmarks, measured in one run (ratios), JSON out.
 
 1. get / put of block payloads through the remote tier (record encode + CRC-32C on put;
-   get + verification + copy on get; deadlines and breaker included) against the backend's
-   raw client on the same payload bytes (Mooncake `put_batch`/`get_batch`, Redis pipelined
-   SET/GET), batch by batch in the same run. Payloads: global KV blocks exported from a
-   prefill of the model preset (real bytes), and random bytes of one v41-flash block.
-   Target: tier / raw throughput >= 0.8.
-2. What verification costs: verify_record alone on the same values (GB/s, us per block).
+   get + verification of every block on get; deadlines and breaker included) against the
+   backend's raw client moving the same payloads with its best batch call, batch by batch
+   in the same run, both sides alternating who goes first: Mooncake `put_batch` /
+   `get_batch` (the tier's calls), Redis one `MSET` / one `MGET` per batch (the tier's calls
+   for blocks). Both sides start from / end in the same place: puts take the rows of one
+   uint8 [n, P] array (the raw client as memoryviews, or bytes where redis-py packs those
+   into fewer sends), gets deliver one uint8 [n, P] array (the raw client's values joined,
+   the tier's verified rows). Ratios: of the median batch times, of the totals, and the
+   median of each back-to-back pair's ratio (robust to load changes on a shared box).
+   Payloads: global KV blocks exported from a prefill of the model preset (real bytes),
+   and random bytes of one v41-flash block. Target: tier / raw throughput >= 0.8.
+2. What verification costs: the tier's batch check (chain ids + verify_records) and the
+   one-value verify_record on the same values (us per block).
 3. Resume TTFT through the engine: cold prefill vs a resume from the local tiers (global KV
    from the SSD store, snapshot from the host SWA pool, fresh GPU pool) vs a resume from the
    remote tier alone (global KV from Mooncake, snapshot from Redis, fresh process-equivalent
