@@ -271,7 +271,7 @@ def test_per_tenant_redis_acl_user_as_documented(servers):
     import redis
     admin = redis.Redis.from_url(servers.snapshots_url)
     admin.execute_command("ACL", "SETUSER", "dsv41-tenant-a", "on", ">pw-a", "resetkeys", "~dsv41:tenant-a:*",
-                          "-@all", "+get", "+getex", "+set", "+exists", "+del", "+ping")
+                          "-@all", "+get", "+getex", "+mget", "+set", "+mset", "+exists", "+del", "+ping")
     url = f"redis://dsv41-tenant-a:pw-a@127.0.0.1:{servers.ports['redis']}/0"
     a = PrefixCache(CONFIG, CacheConfig(block_tokens=B, device="cpu", gpu_capacity_bytes=1 << 24,
                                         swa_capacity_bytes=1 << 24, remote_snapshots=url,
@@ -293,3 +293,81 @@ def test_per_tenant_redis_acl_user_as_documented(servers):
     finally:
         a.close()
         admin.execute_command("ACL", "DELUSER", "dsv41-tenant-a")
+
+
+def test_blocks_on_redis_round_trip_corruption_and_a_stopped_server(servers):
+    """Global KV blocks in Redis (MSET / MGET in the caller's thread, values sent as header
+    and payload parts): a round trip is bit-identical, a flipped byte written with redis's
+    own client is a counted corrupt miss, and a server that stops answering (SIGSTOP) costs
+    a lookup its deadline, not the 2 s socket timeout, then works again after SIGCONT."""
+    import os
+    import signal
+
+    import redis
+
+    def cache(timeout_s=1.0):
+        cc = CacheConfig(block_tokens=B, device="cpu", gpu_capacity_bytes=1 << 24, swa_capacity_bytes=1 << 24,
+                         remote_blocks=servers.snapshots_url, remote_lookup_timeout_s=timeout_s,
+                         remote_write_timeout_s=2.0, remote_breaker_failures=100)
+        c = PrefixCache(CONFIG, cc, weights_id="redis-blocks-weights")
+        assert c.remote.wait_connected(20.0)
+        return c
+
+    a, b = cache(), cache(timeout_s=0.1)
+    raw = redis.Redis.from_url(servers.snapshots_url)
+    try:
+        tok = tokens(40, 5 * B)
+        pay, _ = write(a, tok, "rb", seed=40)
+        m = b.match(tok, namespace="rb")
+        assert m.remote_blocks == 5 and torch.equal(b.read_blocks(m), pay)
+        b.release(m)
+        # a flipped payload byte in block 2: blocks 0-1 are served, the rest is a miss
+        tok2 = tokens(41, 5 * B)
+        write(a, tok2, "rb", seed=41)
+        key = a.key("rb")
+        k2 = a.remote.block_key("rb", a.hasher.hash_blocks(tok2, key)[2])
+        v = bytearray(raw.get(k2))
+        v[-5] ^= 0x10
+        raw.set(k2, bytes(v))
+        c = cache()
+        m = c.match(tok2, namespace="rb")
+        assert m.remote_blocks == 2
+        c.release(m)
+        assert c.metrics.to_dict()["dsv41_cache_remote_verify_failures_total"] == {"role=blocks,kind=corrupt": 1}
+        c.close()
+        # a stopped server: the lookup returns within its deadline as a counted miss
+        tok3 = tokens(42, 3 * B)
+        write(a, tok3, "rb", seed=42)
+        pid = servers.pids()["redis"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            m = timed_match(b, tok3, "rb", 1.0)
+            assert m.remote_blocks == 0
+            b.release(m)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert b.metrics.to_dict()["dsv41_cache_remote_errors_total"].get("backend=redis,cause=timeout", 0) >= 1
+        m = b.match(tok3, namespace="rb")   # answering again: a new connection, a hit
+        assert m.remote_blocks == 3
+        b.release(m)
+    finally:
+        raw.close()
+        a.close()
+        b.close()
+
+
+def test_snapshot_at_a_block_boundary_round_trips(servers):
+    """A snapshot whose tail past its anchor block is empty (the prompt ends on a block
+    boundary): its record holds no token ids and still round-trips."""
+    a, b = make_cache(servers), make_cache(servers)
+    try:
+        tok = tokens(50, 2 * B)
+        _, snap = write(a, tok, "edge", seed=50, snap_tokens=2 * B)
+        assert a.metrics.to_dict()["dsv41_cache_remote_writes_total"] == {"role=blocks": 2, "role=snapshots": 1}
+        m = b.match(np.concatenate([tok, tokens(51, 3)]), namespace="edge")
+        assert m.remote_blocks == 2 and m.remote_snapshot and m.snapshot.num_tokens == 2 * B
+        assert all(torch.equal(m.snapshot.tensors[k], snap.tensors[k]) for k in snap.tensors)
+        b.release(m)
+    finally:
+        a.close()
+        b.close()

@@ -13,7 +13,7 @@ from dsv41.cache import CacheKey, MetricsRegistry, TensorSnapshot
 from dsv41.cache.remote import (CircuitBreaker, Guarded, RemoteBackend, RemoteMetrics, RemoteUnavailable,
                                 namespace_tag)
 from dsv41.cache.remote.breaker import CLOSED, HALF_OPEN, OPEN
-from dsv41.cache.remote.record import chain_ids, encode_record, encode_records, verify_record
+from dsv41.cache.remote.record import chain_ids, encode_record, encode_records, verify_record, verify_records
 from dsv41.cache.remote.snapshot_codec import decode_snapshot, encode_snapshot
 
 B = 16
@@ -81,6 +81,67 @@ def test_record_roundtrip_and_every_failure_kind():
     many = encode_records(key=key, tokens=tok, payloads=pay, block_indices=[0, 1, 2], block_hashes=hashes,
                           parent_hashes=parents, chain_ids=chain, parent_chains=[0] + chain[:2], created_ns=7)
     assert [bytes(x) for x in many] == [bytes(x) for x in one]
+    split = encode_records(key=key, tokens=tok, payloads=pay, block_indices=[0, 1, 2], block_hashes=hashes,
+                           parent_hashes=parents, chain_ids=chain, parent_chains=[0] + chain[:2], created_ns=7,
+                           parts=True)
+    assert [b"".join(bytes(p) for p in x) for x in split] == [bytes(x) for x in one]
+
+
+def test_batch_verifier_agrees_with_the_one_value_check():
+    """verify_records serves exactly the run verify_record would, value by value, and names
+    the same failure: every kind of damage, at the first, a middle and the last position,
+    plus chain ids of the pre-seeded hasher equal to the one-step definition."""
+    from dsv41.cache.remote.record import _chain_step
+    n, key, root = 6, _key(), b"r" * 32
+    tok, pay = _block(3, nblocks=n)
+    hashes = [bytes([i + 1]) * 32 for i in range(n)]
+    chain = chain_ids(tok, key)
+    p = 0
+    assert chain == [p := _chain_step(p, row, key) for row in tok]
+    assert chain_ids(tok, key, 2, chain[1]) == chain[2:]
+    empty = np.zeros((1, 0), dtype=np.uint32)   # a snapshot's tail at a block boundary
+    assert chain_ids(empty, key, parent=chain[-1]) == [_chain_step(chain[-1], empty[0], key)]
+    assert chain_ids(tok[:0], key) == []
+    good = [bytes(_enc(key, tok, pay, i, chain, hashes)) for i in range(n)]
+    other_ns = bytes(_enc(_key("b"), tok, pay, 2, chain_ids(tok, _key("b")), hashes))
+    tok2 = tok.copy()
+    tok2[2, 0] += 1
+
+    def flip(v, pos):
+        b = bytearray(v)
+        b[pos] ^= 4
+        return bytes(b)
+
+    damage = {"missing": lambda i, v: None, "flip_payload": lambda i, v: flip(v, len(v) - 3),
+              "flip_header": lambda i, v: flip(v, 20), "short": lambda i, v: v[:-1], "long": lambda i, v: v + b"\0",
+              "foreign": lambda i, v: other_ns if i == 2 else v, "swap": lambda i, v: good[(i + 1) % n],
+              "other_tokens": lambda i, v: bytes(_enc(key, tok2, pay, i, chain_ids(tok2, key), hashes))}
+    for start in (0, 2):
+        for name, f in damage.items():
+            for at in (start, start + 1, n - 1):
+                vals = list(good)
+                vals[at] = f(at, vals[at])
+                vals = vals[start:]
+                rows, status = verify_records(vals, key=key, start=start, hashes=hashes[start:],
+                                              parent_hash=hashes[start - 1] if start else root, chain=chain[start:],
+                                              parent_chain=chain[start - 1] if start else 0, tokens=tok[start:],
+                                              payload_bytes=1000)
+                want, want_status = 0, None
+                for j, v in enumerate(vals):
+                    if v is None:
+                        break
+                    st = _ver(v, key, tok, start + j, chain, hashes).status if start + j else \
+                        verify_record(v, key=key, block_index=0, block_hash=hashes[0], parent_hash=root,
+                                      parent_chain=0, chain_id=chain[0], tokens=tok[0], payload_bytes=1000).status
+                    if st != "ok":
+                        want_status = st
+                        break
+                    want += 1
+                assert (len(rows), status) == (want, want_status), (start, name, at)
+                assert np.array_equal(rows, pay[start: start + want]), (start, name, at)
+    rows, status = verify_records(good, key=key, start=0, hashes=hashes, parent_hash=root, chain=chain,
+                                  parent_chain=0, tokens=tok, payload_bytes=1000)
+    assert status is None and np.array_equal(rows, pay) and rows.flags.writeable
 
 
 def test_snapshot_codec_roundtrip():

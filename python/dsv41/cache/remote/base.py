@@ -19,11 +19,15 @@ from typing import Callable, Sequence
 from .breaker import CircuitBreaker
 from .metrics import RemoteMetrics
 
-__all__ = ["RemoteBackend", "RemoteError", "RemoteFull", "RemoteUnavailable", "Guarded"]
+__all__ = ["RemoteBackend", "RemoteError", "RemoteFull", "RemoteTimeout", "RemoteUnavailable", "Guarded"]
 
 
 class RemoteError(RuntimeError):
     """A backend call failed (connection, server error, bad return code)."""
+
+
+class RemoteTimeout(RemoteError):
+    """A backend that bounds its own calls (bounds_itself) ran out of the call's time."""
 
 
 class RemoteFull(RemoteError):
@@ -45,6 +49,13 @@ class RemoteBackend(abc.ABC):
     scheme = ""
     native_ttl = False     # put/get honour ttl_s (else the tier checks a value's age itself)
     keeps_first = False    # a put of an existing key keeps the old value
+    # The backend bounds each call by the time given to it (its operations take timeout_s=
+    # and raise RemoteTimeout): while ready(), Guarded calls it in the caller's thread,
+    # without the worker handoff that a client which can hang (Mooncake's) needs.
+    bounds_itself = False
+    # put() accepts a value as a tuple of bytes-like parts, stored as their concatenation
+    # (the tier then hands it the payload without copying it into the record).
+    takes_parts = False
 
     def __init__(self, url: str):
         self.url = url
@@ -61,10 +72,17 @@ class RemoteBackend(abc.ABC):
 
     @abc.abstractmethod
     def put(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None, overwrite: bool = False) -> None:
-        """Stores values; overwrite=False may leave an existing value in place."""
+        """Stores values; overwrite=False may leave an existing value in place. A value is
+        bytes-like, or a tuple of parts where takes_parts is set."""
 
     @abc.abstractmethod
     def remove(self, keys: Sequence[str]) -> None: ...
+
+    def ready(self) -> bool:
+        """(bounds_itself backends) A call now needs no set-up that could outlast a lookup's
+        deadline (an open connection is at hand); else Guarded runs it in a worker, where
+        the set-up may finish after the caller stopped waiting, for the next call."""
+        return True
 
     def close(self) -> None:
         pass
@@ -122,6 +140,31 @@ class Guarded:
         if not self.breaker.allow():
             m.errors.inc(backend=self.name, cause="breaker_open")
             raise RemoteUnavailable("breaker_open", self.backend.url)
+        t0 = time.perf_counter()
+        try:
+            if self.backend.bounds_itself and self.backend.ready():
+                out = getattr(self.backend, op)(*args, timeout_s=timeout_s, **kwargs)
+            else:
+                out = self._in_worker(op, timeout_s, args, kwargs)
+        except RemoteFull:
+            self.breaker.success()
+            raise
+        except RemoteUnavailable:
+            raise
+        except Exception as e:
+            self.breaker.failure()
+            cause = "timeout" if isinstance(e, RemoteTimeout) else "error"
+            m.errors.inc(backend=self.name, cause=cause)
+            raise RemoteUnavailable(cause, f"{op}: {e}") from e
+        finally:
+            m.seconds.observe(time.perf_counter() - t0, backend=self.name, op=op)
+        self.breaker.success()
+        return out
+
+    def _in_worker(self, op: str, timeout_s: float, args, kwargs):
+        """backend.<op>(*args) in a worker thread, waited for at most timeout_s: a call that
+        hangs keeps its worker, not the caller."""
+        m = self.metrics
         with self._lock:
             if self._busy >= self._workers:  # every worker is stuck in a hung call
                 busy = True
@@ -132,25 +175,13 @@ class Guarded:
             self.breaker.failure()
             m.errors.inc(backend=self.name, cause="busy")
             raise RemoteUnavailable("busy", "every worker is waiting on the backend")
-        t0 = time.perf_counter()
         fut = self._pool.submit(self._run, op, args, kwargs)
         try:
-            out = fut.result(timeout=timeout_s)
+            return fut.result(timeout=timeout_s)
         except cf.TimeoutError:
             self.breaker.failure()
             m.errors.inc(backend=self.name, cause="timeout")
             raise RemoteUnavailable("timeout", f"{op} took over {timeout_s * 1e3:.0f} ms") from None
-        except RemoteFull:
-            self.breaker.success()
-            raise
-        except Exception as e:
-            self.breaker.failure()
-            m.errors.inc(backend=self.name, cause="error")
-            raise RemoteUnavailable("error", f"{op}: {e}") from e
-        finally:
-            m.seconds.observe(time.perf_counter() - t0, backend=self.name, op=op)
-        self.breaker.success()
-        return out
 
     def _run(self, op, args, kwargs):
         try:

@@ -1,23 +1,66 @@
 """Redis (or Valkey) backend: `redis://[USER:PASSWORD@]HOST:PORT/DB` (rediss:// for TLS).
 
-Values are plain strings. With a TTL, puts are `SET k v PX ttl` and hits `GETEX k PX ttl`,
-so a value lives for ttl since its last use; configure the server with
-`maxmemory-policy volatile-lru` so only such values are evicted. Per-tenant ACL users
-restricted to their key prefix: docs/remote.md.
+Values are plain strings. Values without a TTL (blocks) are written with one MSET and read
+with one MGET per batch. With a TTL, puts are `SET k v PX ttl` (NX unless overwriting) and
+hits `GETEX k PX ttl`, pipelined, so a value lives for ttl since its last use; configure
+the server with `maxmemory-policy volatile-lru` so only such values are evicted. Per-tenant
+ACL users restricted to their key prefix: docs/remote.md.
+
+Calls run in the caller's thread (`bounds_itself`) while an open connection is at hand:
+sending and each read of the replies wait at most what is left of the call's deadline
+(socket timeouts), and no reply is waited for once it has passed, so Guarded needs no
+worker thread, and no handoff to one, for them. A call that would have to open a connection
+(the first ones, after an error, more concurrent calls than connections) runs in Guarded's
+worker instead, bounded there by socket_timeout_s (2 s) so that the new connection is
+kept for later calls even when the caller stopped waiting at its deadline.
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import Sequence
 
-from .base import RemoteBackend, RemoteError
+from .base import RemoteBackend, RemoteError, RemoteTimeout
 
-__all__ = ["RedisBackend"]
+__all__ = ["RedisBackend", "SMALL_VALUE_BYTES"]
+
+SMALL_VALUE_BYTES = 6000   # larger arguments are sent as chunks of their own (redis-py's cutoff too)
+
+
+def _pack(commands: list[tuple]) -> list:
+    """The commands in the Redis protocol (RESP), as a list of chunks to send in order.
+    An argument is str, int, a bytes-like object, or a tuple of bytes-like parts sent as one
+    value (their concatenation). Large values and parts go out as chunks of their own,
+    unchanged (no copy); everything else is gathered into few buffers."""
+    chunks: list = []
+    buf = bytearray()
+    for cmd in commands:
+        buf += b"*%d\r\n" % len(cmd)
+        for a in cmd:
+            if isinstance(a, str):
+                a = a.encode()
+            elif isinstance(a, int):
+                a = b"%d" % a
+            pieces = a if isinstance(a, tuple) else (a,)
+            buf += b"$%d\r\n" % sum(len(x) for x in pieces)
+            for x in pieces:
+                if len(x) > SMALL_VALUE_BYTES:
+                    chunks.append(buf)
+                    chunks.append(x)
+                    buf = bytearray()
+                else:
+                    buf += x
+            buf += b"\r\n"
+    chunks.append(buf)
+    return chunks
 
 
 class RedisBackend(RemoteBackend):
     scheme = "redis"
     native_ttl = True
     keeps_first = False
+    bounds_itself = True
+    takes_parts = True
 
     def __init__(self, url: str, socket_timeout_s: float = 2.0):
         super().__init__(url)
@@ -25,51 +68,125 @@ class RedisBackend(RemoteBackend):
             raise ValueError(f"expected redis://HOST:PORT/DB, got {url!r}")
         self.socket_timeout_s = socket_timeout_s
         self._r = None
+        self._idle: list = []         # connections not in use (a call takes one)
+        self._lock = threading.Lock()
 
     def connect(self) -> None:
         try:
             import redis
         except ImportError as e:
             raise RemoteError(f"the redis client is not installed: pip install redis ({e})") from e
-        # A socket timeout bounds a hung worker; Guarded's deadline bounds the request.
         r = redis.Redis.from_url(self.url, socket_timeout=self.socket_timeout_s,
                                  socket_connect_timeout=self.socket_timeout_s)
-        r.ping()
+        conn = r.connection_pool.make_connection()   # the first call's connection, open already
+        conn.send_command("PING")
+        if conn.read_response() not in (b"PONG", "PONG", True):
+            raise RemoteError(f"{self.url}: PING was not answered with PONG")
         self._r = r
+        with self._lock:
+            self._idle.append(conn)
+
+    def ready(self) -> bool:
+        return bool(self._idle)
 
     @property
     def client(self):
         return self._r
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        p = self._r.pipeline(transaction=False)
-        for k in keys:
-            p.exists(k)
-        return [bool(x) for x in p.execute()]
+    def _run(self, commands: list[tuple], timeout_s: float | None) -> list:
+        """The commands' replies, sent as one pipeline on one connection, within timeout_s
+        (connect and every reply). A connection that met any error is dropped; the next call
+        opens a new one."""
+        import redis
+        limit = self.socket_timeout_s if timeout_s is None else min(timeout_s, self.socket_timeout_s)
+        end = time.monotonic() + limit
+        conn = self._take()
+        try:
+            if conn.is_connected:
+                try:
+                    if conn.can_read(timeout=0):
+                        conn.disconnect()    # a stray reply, or a closed peer
+                except (redis.ConnectionError, OSError):
+                    conn.disconnect()        # the server went away (a restart): connect again
+            # The socket's timeout is set to what is left of the deadline before the send and
+            # the reads (redis-py's per-read timeout argument would set and reset it around
+            # every recv: two syscalls each); a new connection connects within it too.
+            sock = getattr(conn, "_sock", None)
+            if sock is not None:
+                sock.settimeout(max(1e-3, end - time.monotonic()))
+            conn.socket_connect_timeout = max(1e-3, end - time.monotonic())
+            conn.send_packed_command(_pack(commands))
+            if getattr(conn, "_sock", None) is not sock:   # connected just now, with socket_timeout_s
+                sock = getattr(conn, "_sock", None)
+                if sock is not None:
+                    sock.settimeout(max(1e-3, end - time.monotonic()))
+            out = []
+            for _ in commands:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise redis.TimeoutError(f"no reply within {limit * 1e3:.0f} ms")
+                out.append(conn.read_response() if sock is not None else conn.read_response(timeout=left))
+            return out
+        except redis.TimeoutError as e:
+            conn.disconnect()
+            raise RemoteTimeout(str(e)) from e
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            with self._lock:
+                self._idle.append(conn)
 
-    def get(self, keys: Sequence[str], ttl_s: float | None = None) -> list[bytes | None]:
-        p = self._r.pipeline(transaction=False)
-        for k in keys:
-            if ttl_s:
-                p.getex(k, px=max(1, int(ttl_s * 1000)))
-            else:
-                p.get(k)
-        return [v if v else None for v in p.execute()]
+    def _take(self):
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._r.connection_pool.make_connection()   # connects on first use, under the deadline
 
-    def put(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None, overwrite: bool = False) -> None:
-        p = self._r.pipeline(transaction=False)
-        px = max(1, int(ttl_s * 1000)) if ttl_s else None
-        for k, v in items:
-            p.set(k, v, px=px, nx=not overwrite)
-        for res in p.execute(raise_on_error=False):
-            if isinstance(res, Exception):
-                raise RemoteError(f"SET: {res}")
+    def exists(self, keys: Sequence[str], timeout_s: float | None = None) -> list[bool]:
+        if not keys:
+            return []
+        return [bool(x) for x in self._run([("EXISTS", k) for k in keys], timeout_s)]
 
-    def remove(self, keys: Sequence[str]) -> None:
+    def get(self, keys: Sequence[str], ttl_s: float | None = None, timeout_s: float | None = None) \
+            -> list[bytes | None]:
+        if not keys:
+            return []
+        if ttl_s:
+            px = max(1, int(ttl_s * 1000))
+            vals = self._run([("GETEX", k, "PX", px) for k in keys], timeout_s)
+        else:
+            (vals,) = self._run([("MGET", *keys)], timeout_s)
+        return [v if v else None for v in vals]
+
+    def put(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None, overwrite: bool = False,
+            timeout_s: float | None = None) -> None:
+        """Without a TTL one MSET (it replaces an existing value: allowed, and such a value
+        is the same block; the tier skips keys that exist before it writes)."""
+        if not items:
+            return
+        if ttl_s:
+            px = max(1, int(ttl_s * 1000))
+            cmds = [("SET", k, v, "PX", px) if overwrite else ("SET", k, v, "PX", px, "NX") for k, v in items]
+        else:
+            cmds = [("MSET", *[x for kv in items for x in kv])]
+        try:
+            self._run(cmds, timeout_s)
+        except Exception as e:
+            import redis
+            if isinstance(e, redis.ResponseError):
+                raise RemoteError(f"{cmds[0][0]}: {e}") from e
+            raise
+
+    def remove(self, keys: Sequence[str], timeout_s: float | None = None) -> None:
         if keys:
-            self._r.delete(*keys)
+            self._run([("DEL", *keys)], timeout_s)
 
     def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.disconnect()
         if self._r is not None:
             self._r.close()
             self._r = None

@@ -32,7 +32,7 @@ import torch
 from ..swa_pool import TensorSnapshot
 from .base import Guarded, RemoteBackend, RemoteFull, RemoteUnavailable
 from .metrics import RemoteMetrics
-from .record import chain_ids, encode_record, encode_records, verify_record
+from .record import chain_ids, encode_record, encode_records, value_bytes, verify_record, verify_records
 from .snapshot_codec import decode_snapshot, encode_snapshot
 
 __all__ = ["RemoteTier", "RemoteConfig", "open_backend", "namespace_tag"]
@@ -115,6 +115,11 @@ class RemoteTier:
     def block_key(self, namespace: str, block_hash: bytes) -> str:
         return f"{self._prefix(namespace)}:kv:{block_hash.hex()}"
 
+    def block_keys(self, namespace: str, block_hashes: Sequence[bytes]) -> list[str]:
+        """block_key of each hash (the prefix built once)."""
+        kv = f"{self._prefix(namespace)}:kv:"
+        return [kv + h.hex() for h in block_hashes]
+
     def snapshot_key(self, namespace: str, anchor_hash: bytes) -> str:
         return f"{self._prefix(namespace)}:swa:{anchor_hash.hex()}"
 
@@ -129,14 +134,15 @@ class RemoteTier:
 
     def load_blocks(self, key: bytes, namespace: str, hashes: Sequence[bytes], tok: np.ndarray, start: int,
                     root: bytes) -> np.ndarray:
-        """Verified payloads of blocks start, start+1, ... (uint8 [n, block_bytes]; n may be 0):
-        the longest run the remote store holds. tok: uint32 [nb, B], every full block."""
+        """Verified payloads of blocks start, start+1, ... (uint8 [n, block_bytes], n may be 0;
+        rows of one fresh buffer, not necessarily contiguous): the longest run the remote store
+        holds. tok: uint32 [nb, B], every full block."""
         m = self.metrics
         want = min(len(hashes) - start, self.rc.max_lookup_blocks)
         empty = np.empty((0, self.block_bytes), dtype=np.uint8)
         if self.blocks is None or want <= 0:
             return empty
-        keys = [self.block_key(namespace, h) for h in hashes[start: start + want]]
+        keys = self.block_keys(namespace, hashes[start: start + want])
         try:
             vals = self.blocks.call("get", self._deadline(want * self.block_bytes), keys)
         except RemoteUnavailable:
@@ -144,25 +150,18 @@ class RemoteTier:
             return empty
         t0 = time.perf_counter()
         chain = chain_ids(tok[: start + want], key)
-        out = np.empty((want, self.block_bytes), dtype=np.uint8)
-        n = 0
-        for j, v in enumerate(vals):
-            i = start + j
-            if v is None:
-                break
-            ver = verify_record(v, key=key, block_index=i, block_hash=hashes[i],
-                                parent_hash=hashes[i - 1] if i else root, parent_chain=chain[i - 1] if i else 0,
-                                chain_id=chain[i], tokens=tok[i], payload_bytes=self.block_bytes)
-            if ver.status != "ok":
-                m.verify_failures.inc(role="blocks", kind=ver.status)
-                break
-            out[n] = np.frombuffer(ver.payload, dtype=np.uint8)
-            n += 1
+        rows, status = verify_records(vals, key=key, start=start, hashes=hashes[start: start + want],
+                                      parent_hash=hashes[start - 1] if start else root, chain=chain[start:],
+                                      parent_chain=chain[start - 1] if start else 0,
+                                      tokens=tok[start: start + want], payload_bytes=self.block_bytes)
+        if status is not None:
+            m.verify_failures.inc(role="blocks", kind=status)
+        n = len(rows)
         m.verify_seconds.observe(time.perf_counter() - t0)
         m.hits.inc(n, role="blocks")
         m.misses.inc(want - n, role="blocks")
         m.bytes_read.inc(n * self.block_bytes, role="blocks")
-        return out[:n]
+        return rows
 
     def get_snapshot(self, key: bytes, namespace: str, arr: np.ndarray, hashes: Sequence[bytes], root: bytes,
                      max_blocks: int, limit: int) -> TensorSnapshot | None:
@@ -275,7 +274,7 @@ class RemoteTier:
 
     def _write_blocks(self, key, namespace, hashes, tok, start, payloads, root) -> None:
         idx = list(range(start, len(hashes)))
-        keys = [self.block_key(namespace, hashes[i]) for i in idx]
+        keys = self.block_keys(namespace, [hashes[i] for i in idx])
         try:  # skip what another server wrote already (Mooncake would keep it anyway)
             have = self.blocks.call("exists", self.rc.write_timeout_s, keys)
         except RemoteUnavailable as e:
@@ -283,12 +282,14 @@ class RemoteTier:
             return
         todo = [i for i, ok in zip(idx, have) if not ok]
         if todo:
-            self._put("blocks", self.blocks, self.block_values(key, namespace, hashes, tok, todo, payloads, start, root),
+            self._put("blocks", self.blocks, self.block_values(key, namespace, hashes, tok, todo, payloads, start, root,
+                                                               parts=self.blocks.backend.takes_parts),
                       None, overwrite=False)
 
     def block_values(self, key: bytes, namespace: str, hashes: Sequence[bytes], tok: np.ndarray,
-                     which: Sequence[int], payloads, start: int, root: bytes) -> list[tuple[str, memoryview]]:
-        """(remote key, value) of blocks `which` (payloads row i - start is block i)."""
+                     which: Sequence[int], payloads, start: int, root: bytes, parts: bool = False) -> list[tuple]:
+        """(remote key, value) of blocks `which` (payloads row i - start is block i); with
+        parts, each value is a (head, payload) pair of views (backends that take_parts)."""
         which = list(which)
         chain = chain_ids(tok[: max(which) + 1], key)
         rows = payloads.contiguous().view(torch.uint8).numpy() if isinstance(payloads, torch.Tensor) else payloads
@@ -301,8 +302,8 @@ class RemoteTier:
                                 block_hashes=[hashes[i] for i in which],
                                 parent_hashes=[hashes[i - 1] if i else root for i in which],
                                 chain_ids=[chain[i] for i in which],
-                                parent_chains=[chain[i - 1] if i else 0 for i in which])
-        return [(self.block_key(namespace, hashes[i]), v) for i, v in zip(which, values)]
+                                parent_chains=[chain[i - 1] if i else 0 for i in which], parts=parts)
+        return list(zip(self.block_keys(namespace, [hashes[i] for i in which]), values))
 
     def snapshot_value(self, key: bytes, namespace: str, arr: np.ndarray, hashes: Sequence[bytes], root: bytes,
                        snap: TensorSnapshot) -> tuple[str, bytes]:
@@ -339,7 +340,7 @@ class RemoteTier:
             m.dropped_writes.inc(len(items), role=role, cause=e.cause)
             return
         m.writes.inc(len(items), role=role)
-        m.bytes_written.inc(sum(len(v) for _, v in items), role=role)
+        m.bytes_written.inc(sum(value_bytes(v) for _, v in items), role=role)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Waits until every queued write was done (or dropped); False on timeout."""
