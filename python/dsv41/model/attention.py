@@ -101,6 +101,10 @@ class Attention(nn.Module):
     def queries(self, x: torch.Tensor, positions: torch.Tensor):
         c = self.config
         qr = self.q_norm(self.wq_a(x))
+        if production.is_production(self):
+            q = self.wq_b(qr).view(x.shape[0], c.num_heads, c.head_dim)
+            q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + c.rms_norm_eps)
+            return qr, self.rope.rotate(q, positions, fp32=True)
         q = self.wq_b.forward_f64(qr).view(x.shape[0], c.num_heads, c.head_dim)
         q = rms_normalize(q, c.rms_norm_eps).float()
         return qr, self.rope.rotate(q, positions)
@@ -110,7 +114,7 @@ class Attention(nn.Module):
         layer = self.layer
         for seg, latent, pos in self.compressor.compress(
                 kv_input, ctx, lambda s: s.state.main_kv[layer].n):
-            entry = self.rope.rotate(latent, pos)
+            entry = self.rope.rotate(latent, pos, fp32=production.is_production(self))
             self.codec.stage_main(seg.state.main_kv[layer], entry)
             if self.plan.owns_indexer_keys and not self.config.indexer_compressor:
                 self.codec.stage_index(seg.state.index_keys[layer],
@@ -134,7 +138,8 @@ class Attention(nn.Module):
         c, p = self.config, self.plan
         pos = ctx.positions
         qr, q = self.queries(x, pos)
-        swa = self.rope.rotate(self.kv_norm(self.wkv(x)), pos)
+        fp32 = production.is_production(self)
+        swa = self.rope.rotate(self.kv_norm(self.wkv(x)), pos, fp32=fp32)
         swa_values, swa_scales = self.codec.encode_swa(swa)
         if p.owns_kv:
             self.append_entries(x if kv_input is None else kv_input, kv_ctx or ctx)
@@ -190,5 +195,5 @@ class Attention(nn.Module):
                                 kv, kidx, sink, self.softmax_scale)
             outs.append(out)
             ctx.record(self.layer, q=q[rows], swa_idx=sidx, kv_idx=kidx, attn=out)
-        o = self.rope.rotate(torch.cat(outs), pos, inverse=True)
+        o = self.rope.rotate(torch.cat(outs), pos, inverse=True, fp32=fp32)
         return self.project_out(o)

@@ -130,39 +130,51 @@ ATTEND_CHUNK = 128   # queries per step: bounds the score and probability tiles
 def attend(q: torch.Tensor, swa: torch.Tensor, swa_idx: torch.Tensor, kv: torch.Tensor,
            kv_idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
     """attention.attend (same arguments, same softmax with sink) in float32, chunked over
-    queries. The SWA rows a chunk reaches lie in a short range of `swa` (the ring plus the
-    chunk and its window), so their scores are one dense product over that range, gathered
-    per query, and the probabilities are scattered back for one product with the values;
-    only the selected global rows are gathered."""
+    queries, as dense products over candidate rows instead of per-query gathers.
+
+    The SWA rows a chunk reaches lie in a short range of `swa` (the ring plus the chunk and
+    its window); when the global entries are few (at most twice the top-k width, as in
+    short prompts), all of them join that range. A count matrix [chunk, rows] says how
+    often each query selected each row (0: not at all; duplicates count twice, as in the
+    gathered softmax), so scores are one product with the rows, masked where the count is
+    0, and the probabilities times the counts are one product with the values. Only with
+    many global entries are the selected ones gathered per query."""
     T, H, D = q.shape
     out = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
     swa, kv, sink = swa.float(), kv.float(), sink.float()
     if kv.shape[0] == 0:
         kv_idx = kv_idx[:, :0]
+    K = kv_idx.shape[1]
+    dense_kv = 0 < K and kv.shape[0] <= 2 * K
     for t0 in range(0, T, ATTEND_CHUNK):
         t1 = min(T, t0 + ATTEND_CHUNK)
         qc, si, ki = q[t0:t1].float(), swa_idx[t0:t1].long(), kv_idx[t0:t1].long()
-        valid_s = si >= 0
-        lo = int(si[valid_s].min()) if valid_s.any() else 0
-        hi = int(si.max()) + 1 if valid_s.any() else 1
-        rows = swa[lo:hi]                                                # [R, D]
-        local = (si - lo).clamp(min=0)                                   # [c, W]
-        dense = torch.einsum("thd,rd->thr", qc, rows) * scale            # [c, H, R]
-        s_swa = dense.gather(2, local[:, None, :].expand(-1, H, -1))     # [c, H, W]
-        keys = kv[ki.clamp(min=0)]                                       # [c, K, D]
-        s_kv = torch.einsum("thd,tkd->thk", qc, keys) * scale
-        scores = torch.cat((s_swa, s_kv), 2)
-        valid = torch.cat((valid_s, ki >= 0), 1)
-        scores = scores.masked_fill(~valid[:, None, :], -math.inf)
-        sk = sink[None, :].expand(t1 - t0, -1)
-        m = torch.maximum(scores.amax(-1), sk)
-        p = torch.exp(scores - m[..., None])
-        denom = p.sum(-1) + torch.exp(sk - m)
-        W = si.shape[1]
-        p_dense = torch.zeros_like(dense).scatter_add_(2, local[:, None, :].expand(-1, H, -1),
-                                                       p[..., :W])
-        o = torch.einsum("thr,rd->thd", p_dense, rows)
-        o += torch.einsum("thk,tkd->thd", p[..., W:], keys)
+        valid_s, valid_k = si >= 0, ki >= 0
+        hi = max(int(si.max()) + 1, 1) if si.numel() else 1
+        lo = min(int(si.masked_fill(~valid_s, hi - 1).min()), hi - 1) if si.numel() else 0
+        rows, idx, hit = swa[lo:hi], [(si - lo).clamp(min=0)], [valid_s]
+        if dense_kv:
+            rows = torch.cat((rows, kv))
+            idx.append(ki.clamp(min=0) + (hi - lo))
+            hit.append(valid_k)
+        count = torch.zeros(t1 - t0, rows.shape[0], dtype=torch.float32, device=q.device)
+        count.scatter_add_(1, torch.cat(idx, 1), torch.cat(hit, 1).float())
+        scores = torch.matmul(qc, rows.T).mul_(scale)                   # [c, H, R]
+        scores.masked_fill_((count == 0)[:, None, :], -math.inf)
+        m = torch.maximum(scores.amax(-1), sink[None, :])
+        keys = None
+        if K and not dense_kv:
+            keys = kv[ki.clamp(min=0)]                                   # [c, K, D]
+            s_kv = torch.einsum("thd,tkd->thk", qc, keys).mul_(scale)
+            s_kv.masked_fill_(~valid_k[:, None, :], -math.inf)
+            m = torch.maximum(m, s_kv.amax(-1))
+        p = torch.exp_(scores.sub_(m[..., None])).mul_(count[:, None, :])
+        denom = p.sum(-1) + torch.exp(sink[None, :] - m)
+        o = torch.matmul(p, rows)
+        if keys is not None:
+            pk = torch.exp_(s_kv.sub_(m[..., None]))
+            denom += pk.sum(-1)
+            o += torch.einsum("thk,tkd->thd", pk, keys)
         out[t0:t1] = o / denom[..., None]
     return out
 

@@ -54,17 +54,23 @@ class Rope:
             freqs = yarn_frequencies(config.rope_head_dim, config.rope_theta, None)
         return cls(config.rope_head_dim, freqs)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False
-               ) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False,
+               fp32: bool = False) -> torch.Tensor:
         """Rotate the last `dim` dims of x [T, ..., D] (float32) at positions [T]; returns
         float32. inverse=True rotates by the negative angle (undoes a rotation at the same
-        position)."""
+        position). fp32=True (the production path) rotates in float32 (the angles are
+        still float64, so large positions keep their phase); the reference rotates in
+        float64 and rounds once."""
         angles = positions.to(torch.float64)[:, None] * self.freqs.to(x.device)[None, :]
         if inverse:
             angles = -angles
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.dim // 2,)
         cos, sin = torch.cos(angles).view(shape), torch.sin(angles).view(shape)
-        tail = x[..., -self.dim:].double()
+        tail = x[..., -self.dim:]
+        if fp32:
+            cos, sin, tail = cos.float(), sin.float(), tail.float()
+        else:
+            tail = tail.double()
         a, b = tail[..., 0::2], tail[..., 1::2]
         rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
         return torch.cat((x[..., :-self.dim], rotated.float()), -1)
