@@ -11,8 +11,12 @@ from the float64 reference (layers.py) to this path:
     bf16 at a time) inside the matmul.
   - GEMM inputs and outputs in bf16; RMSNorm, mHC, the router and the SwiGLU gate in
     float32; the residual stream stays float32 (it is what the next norm reads).
-  - MoE: the (token, slot) pairs sorted by expert, one GEMM per expert over its rows,
-    the weighted outputs summed back with index_add (`moe_forward`).
+  - MoE: the (token, slot) pairs sorted by expert and run as grouped GEMMs
+    (torch._grouped_mm on CUDA sm_90+), one padded bmm (CPU), or one GEMM per expert
+    (quantized experts), the weighted outputs summed back with index_add (`moe_forward`,
+    moe_grouped.py says which and why).
+  - FP8 weights: torch's block-scaled FP8 GEMM on CUDA sm_90 (activations quantized per
+    1x128 block on the fly), tile-by-tile dequantization elsewhere (fp8_gemm.py).
   - attention, compression, the indexer, top-k and cache writes are the reference path's
     own ops on the same stored formats, so a state written by one precision is read by
     the other (tests/model/test_production.py).
@@ -26,6 +30,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import fp8_gemm, moe_grouped
 
 __all__ = ["PRECISIONS", "TILE_BYTES", "default_precision", "is_production", "linear", "moe_forward",
            "quantize_fp8", "rms_norm", "to_production", "weight_bytes"]
@@ -105,6 +111,10 @@ def linear(x: torch.Tensor, lin: nn.Module) -> torch.Tensor:
     w = lin.weight
     if w.dtype == torch.bfloat16:
         return F.linear(xb, w)
+    if w.dtype == torch.float8_e4m3fn and xb.device.type != "cpu":
+        out = fp8_gemm.scaled_linear(xb, lin)   # None: this weight takes the dequant path
+        if out is not None:
+            return out
     out_dim = lin.out_features
     step = _tile_rows(lin)
     if step >= out_dim:
@@ -204,29 +214,47 @@ def expert_forward(expert: nn.Module, xb: torch.Tensor) -> torch.Tensor:
     return linear((F.silu(gate) * up).to(torch.bfloat16), expert.w2)
 
 
-def moe_forward(moe: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
-    """Routed experts grouped by expert (a sorted per-expert loop) + shared experts;
-    float32 [T, hidden] out."""
+def moe_forward(moe: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None, *,
+                path: str | None = None, grouped_mm=None) -> torch.Tensor:
+    """Routed experts over the (token, slot) pairs sorted by expert - grouped GEMMs, one
+    padded bmm, or a per-expert loop, as moe_grouped.moe_path says (`path` forces one:
+    tests) - plus the shared experts; float32 [T, hidden] out."""
     ids, weights = gate_forward(moe.gate, x, tokens)
     T, k = ids.shape
     xb = x.to(torch.bfloat16)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     rows = order // k
-    counts = torch.bincount(flat, minlength=len(moe.experts)).tolist()
+    counts = torch.bincount(flat, minlength=len(moe.experts))
     xs = xb.index_select(0, rows)
-    out = torch.empty(T * k, x.shape[1], dtype=torch.float32, device=x.device)
-    at = 0
-    for e, n in enumerate(counts):
-        if n:
-            out[at:at + n] = expert_forward(moe.experts[e], xs[at:at + n]).float()
-            at += n
-    out *= weights.reshape(-1).index_select(0, order)[:, None]
+    path = path or _moe_path(moe, x.device)
+    routed = None
+    if path != "loop":
+        routed = moe_grouped.run_routed(moe, path, xs, counts, grouped_mm)
+    if routed is None:
+        routed = xs.new_empty(T * k, x.shape[1])
+        at = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                routed[at:at + n] = expert_forward(moe.experts[e], xs[at:at + n])
+                at += n
+    out = routed.float().mul_(weights.reshape(-1).index_select(0, order)[:, None])
     y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     y.index_add_(0, rows, out)
     if hasattr(moe, "shared_experts"):
         y += expert_forward(moe.shared_experts, xb).float()
     return y
+
+
+def _moe_path(moe: nn.Module, device: torch.device) -> str:
+    """moe_grouped.moe_path_for, cached per layer (again if the device or the experts'
+    storage dtype changes)."""
+    key = (device, moe.experts[0].w1.weight.dtype, moe.experts[-1].w2.weight.dtype)
+    cached = getattr(moe, "_dsv41_moe_path", None)
+    if cached is None or cached[0] != key:
+        cached = (key, moe_grouped.moe_path_for(moe, device)[0])
+        object.__setattr__(moe, "_dsv41_moe_path", cached)
+    return cached[1]
 
 
 # ---- weights -----------------------------------------------------------------------------
