@@ -87,9 +87,13 @@ class Attention(nn.Module):
         own [o_lora_rank, heads/group * D] block of wo_a, then wo_b. o [T,H,D] -> [T,hidden]."""
         c = self.config
         G, R = c.o_groups, c.o_lora_rank
-        if production.is_production(self):   # group by group: one weight tile each
+        if production.is_production(self):
             grouped = o.to(torch.bfloat16).reshape(o.shape[0], G, -1)
-            mid = torch.stack([
+            if self.wo_a.weight.dtype == torch.bfloat16:   # all groups in one bmm
+                wa = self.wo_a.weight.view(G, R, -1)
+                mid = torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)
+                return self.wo_b(mid.reshape(o.shape[0], G * R))
+            mid = torch.stack([   # quantized: group by group, one weight tile each
                 grouped[:, g] @ production.dequantize_rows(self.wo_a, g * R, (g + 1) * R).T
                 for g in range(G)], 1)                                   # [T, G, R]
             return self.wo_b(mid.reshape(o.shape[0], G * R))

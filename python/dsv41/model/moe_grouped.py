@@ -114,12 +114,6 @@ def _swiglu(h: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
     return (F.silu(gate) * up).to(torch.bfloat16)
 
 
-def _bucket(rows: int) -> int:
-    """Padded group sizes: powers of two up to 256, then multiples of 256 (few distinct GEMM
-    shapes, so the CPU's per-shape kernels are reused)."""
-    return 1 << max(rows - 1, 0).bit_length() if rows <= 256 else -(-rows // 256) * 256
-
-
 def run_routed(moe: nn.Module, path: str, xs: torch.Tensor, counts: torch.Tensor,
                grouped_mm=None) -> torch.Tensor | None:
     """Routed experts over the expert-sorted bf16 rows xs [N, H] (counts [E]: rows per
@@ -136,6 +130,7 @@ def run_routed(moe: nn.Module, path: str, xs: torch.Tensor, counts: torch.Tensor
         return gmm(_swiglu(h, inter, limit), w2.transpose(1, 2), offs=offs)
     if path != "padded_bmm":
         raise ValueError(f"unknown MoE path {path!r} (one of {MOE_PATHS})")
+    from .production import _bucket   # the GEMM row sizes the CPU path already uses
     N = xs.shape[0]
     cap = _bucket(int(counts.max())) if N else 1
     if E * cap > 2 * max(N, 1) + 16:

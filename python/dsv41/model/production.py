@@ -139,8 +139,9 @@ ATTEND_CHUNK = 128   # queries per step: bounds the score and probability tiles
 
 def attend(q: torch.Tensor, swa: torch.Tensor, swa_idx: torch.Tensor, kv: torch.Tensor,
            kv_idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """attention.attend (same arguments, same softmax with sink) in float32, chunked over
-    queries, as dense products over candidate rows instead of per-query gathers.
+    """attention.attend (same arguments, same softmax with sink) chunked over queries, as
+    dense products over candidate rows instead of per-query gathers: scores and softmax in
+    float32, the probabilities-times-values product from bf16 inputs.
 
     The SWA rows a chunk reaches lie in a short range of `swa` (the ring plus the chunk and
     its window); when the global entries are few (at most twice the top-k width, as in
@@ -180,7 +181,10 @@ def attend(q: torch.Tensor, swa: torch.Tensor, swa_idx: torch.Tensor, kv: torch.
             m = torch.maximum(m, s_kv.amax(-1))
         p = torch.exp_(scores.sub_(m[..., None])).mul_(count[:, None, :])
         denom = p.sum(-1) + torch.exp(sink[None, :] - m)
-        o = torch.matmul(p, rows)
+        # P.V with bf16 inputs (float32 accumulation, as FlashAttention does on a GPU): the
+        # output is rounded to bf16 for wo_a anyway, and oneDNN's bf16 GEMM is several
+        # times faster than float32 here; Q.K stays float32 (scores feed the exp).
+        o = torch.matmul(p.to(torch.bfloat16), rows.to(torch.bfloat16)).float()
         if keys is not None:
             pk = torch.exp_(s_kv.sub_(m[..., None]))
             denom += pk.sum(-1)
