@@ -87,9 +87,13 @@ class Attention(nn.Module):
         own [o_lora_rank, heads/group * D] block of wo_a, then wo_b. o [T,H,D] -> [T,hidden]."""
         c = self.config
         G, R = c.o_groups, c.o_lora_rank
-        if production.is_production(self):   # group by group: one weight tile each
+        if production.is_production(self):
             grouped = o.to(torch.bfloat16).reshape(o.shape[0], G, -1)
-            mid = torch.stack([
+            if self.wo_a.weight.dtype == torch.bfloat16:   # all groups in one bmm
+                wa = self.wo_a.weight.view(G, R, -1)
+                mid = torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)
+                return self.wo_b(mid.reshape(o.shape[0], G * R))
+            mid = torch.stack([   # quantized: group by group, one weight tile each
                 grouped[:, g] @ production.dequantize_rows(self.wo_a, g * R, (g + 1) * R).T
                 for g in range(G)], 1)                                   # [T, G, R]
             return self.wo_b(mid.reshape(o.shape[0], G * R))
@@ -101,6 +105,10 @@ class Attention(nn.Module):
     def queries(self, x: torch.Tensor, positions: torch.Tensor):
         c = self.config
         qr = self.q_norm(self.wq_a(x))
+        if production.is_production(self):
+            q = self.wq_b(qr).view(x.shape[0], c.num_heads, c.head_dim)
+            q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + c.rms_norm_eps)
+            return qr, self.rope.rotate(q, positions, fp32=True)
         q = self.wq_b.forward_f64(qr).view(x.shape[0], c.num_heads, c.head_dim)
         q = rms_normalize(q, c.rms_norm_eps).float()
         return qr, self.rope.rotate(q, positions)
@@ -110,7 +118,7 @@ class Attention(nn.Module):
         layer = self.layer
         for seg, latent, pos in self.compressor.compress(
                 kv_input, ctx, lambda s: s.state.main_kv[layer].n):
-            entry = self.rope.rotate(latent, pos)
+            entry = self.rope.rotate(latent, pos, fp32=production.is_production(self))
             self.codec.stage_main(seg.state.main_kv[layer], entry)
             if self.plan.owns_indexer_keys and not self.config.indexer_compressor:
                 self.codec.stage_index(seg.state.index_keys[layer],
@@ -134,7 +142,8 @@ class Attention(nn.Module):
         c, p = self.config, self.plan
         pos = ctx.positions
         qr, q = self.queries(x, pos)
-        swa = self.rope.rotate(self.kv_norm(self.wkv(x)), pos)
+        fp32 = production.is_production(self)
+        swa = self.rope.rotate(self.kv_norm(self.wkv(x)), pos, fp32=fp32)
         swa_values, swa_scales = self.codec.encode_swa(swa)
         if p.owns_kv:
             self.append_entries(x if kv_input is None else kv_input, kv_ctx or ctx)
@@ -190,5 +199,5 @@ class Attention(nn.Module):
                                 kv, kidx, sink, self.softmax_scale)
             outs.append(out)
             ctx.record(self.layer, q=q[rows], swa_idx=sidx, kv_idx=kidx, attn=out)
-        o = self.rope.rotate(torch.cat(outs), pos, inverse=True)
+        o = self.rope.rotate(torch.cat(outs), pos, inverse=True, fp32=fp32)
         return self.project_out(o)

@@ -25,6 +25,7 @@ from torch import nn
 from ..config import ModelConfig
 from .context import ForwardContext, Segment
 from .layers import Linear, RMSNorm
+from .production import is_production
 
 __all__ = ["Compressor"]
 
@@ -60,22 +61,26 @@ class Compressor(nn.Module):
         if m == 1:
             return self.norm(kv)
         n = kv.shape[0] // m
-        kv = kv.double().view(n, m, -1)
-        score = score.double().view(n, m, -1)
+        fast = is_production(self)   # float32, one sum; the reference: float64, fixed order
+        dt = torch.float32 if fast else torch.float64
+        kv = kv.to(dt).view(n, m, -1)
+        score = score.to(dt).view(n, m, -1)
         if hasattr(self, "ape"):
-            score = score + self.ape.double()
+            score = score + self.ape.to(dt)
         if self.overlap:
-            prev_kv = torch.zeros(n, m, D, dtype=torch.float64, device=kv.device)
-            prev_score = torch.full((n, m, D), float("-inf"), dtype=torch.float64,
+            prev_kv = torch.zeros(n, m, D, dtype=dt, device=kv.device)
+            prev_score = torch.full((n, m, D), float("-inf"), dtype=dt,
                                     device=kv.device)
             if carry is not None:
-                ape = self.ape[:, :D].double() if hasattr(self, "ape") else 0.0
-                prev_kv[0], prev_score[0] = carry[0].double(), carry[1].double() + ape
+                ape = self.ape[:, :D].to(dt) if hasattr(self, "ape") else 0.0
+                prev_kv[0], prev_score[0] = carry[0].to(dt), carry[1].to(dt) + ape
             prev_kv[1:], prev_score[1:] = kv[:-1, :, :D], score[:-1, :, :D]
             kv = torch.cat((prev_kv, kv[:, :, D:]), 1)
             score = torch.cat((prev_score, score[:, :, D:]), 1)
         w = torch.softmax(score, dim=1)
         blocks = kv * w
+        if fast:
+            return self.norm(blocks.sum(1))
         pooled = blocks[:, 0]
         for j in range(1, blocks.shape[1]):  # fixed summation order
             pooled = pooled + blocks[:, j]

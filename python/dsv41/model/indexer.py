@@ -29,6 +29,7 @@ from .compressor import Compressor
 from .context import Segment
 from .kv_codec import KVCodec
 from .layers import Linear, RMSNorm
+from .production import is_production
 from .rope import Rope
 
 __all__ = ["Indexer", "hadamard"]
@@ -72,7 +73,7 @@ class Indexer(nn.Module):
         self.weight_scale = (c.index_head_dim * c.index_n_heads) ** -0.5
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        x = self.rope.rotate(x, pos)
+        x = self.rope.rotate(x, pos, fp32=is_production(self))
         return hadamard(x) if self.rotate else x
 
     def _finish(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,8 +11,12 @@ from the float64 reference (layers.py) to this path:
     bf16 at a time) inside the matmul.
   - GEMM inputs and outputs in bf16; RMSNorm, mHC, the router and the SwiGLU gate in
     float32; the residual stream stays float32 (it is what the next norm reads).
-  - MoE: the (token, slot) pairs sorted by expert, one GEMM per expert over its rows,
-    the weighted outputs summed back with index_add (`moe_forward`).
+  - MoE: the (token, slot) pairs sorted by expert and run as grouped GEMMs
+    (torch._grouped_mm on CUDA sm_90+), one padded bmm (CPU), or one GEMM per expert
+    (quantized experts), the weighted outputs summed back with index_add (`moe_forward`,
+    moe_grouped.py says which and why).
+  - FP8 weights: torch's block-scaled FP8 GEMM on CUDA sm_90 (activations quantized per
+    1x128 block on the fly), tile-by-tile dequantization elsewhere (fp8_gemm.py).
   - attention, compression, the indexer, top-k and cache writes are the reference path's
     own ops on the same stored formats, so a state written by one precision is read by
     the other (tests/model/test_production.py).
@@ -26,6 +30,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import fp8_gemm, moe_grouped
 
 __all__ = ["PRECISIONS", "TILE_BYTES", "default_precision", "is_production", "linear", "moe_forward",
            "quantize_fp8", "rms_norm", "to_production", "weight_bytes"]
@@ -105,6 +111,10 @@ def linear(x: torch.Tensor, lin: nn.Module) -> torch.Tensor:
     w = lin.weight
     if w.dtype == torch.bfloat16:
         return F.linear(xb, w)
+    if w.dtype == torch.float8_e4m3fn and xb.device.type != "cpu":
+        out = fp8_gemm.scaled_linear(xb, lin)   # None: this weight takes the dequant path
+        if out is not None:
+            return out
     out_dim = lin.out_features
     step = _tile_rows(lin)
     if step >= out_dim:
@@ -129,40 +139,56 @@ ATTEND_CHUNK = 128   # queries per step: bounds the score and probability tiles
 
 def attend(q: torch.Tensor, swa: torch.Tensor, swa_idx: torch.Tensor, kv: torch.Tensor,
            kv_idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """attention.attend (same arguments, same softmax with sink) in float32, chunked over
-    queries. The SWA rows a chunk reaches lie in a short range of `swa` (the ring plus the
-    chunk and its window), so their scores are one dense product over that range, gathered
-    per query, and the probabilities are scattered back for one product with the values;
-    only the selected global rows are gathered."""
+    """attention.attend (same arguments, same softmax with sink) chunked over queries, as
+    dense products over candidate rows instead of per-query gathers: scores and softmax in
+    float32, the probabilities-times-values product from bf16 inputs.
+
+    The SWA rows a chunk reaches lie in a short range of `swa` (the ring plus the chunk and
+    its window); when the global entries are few (at most twice the top-k width, as in
+    short prompts), all of them join that range. A count matrix [chunk, rows] says how
+    often each query selected each row (0: not at all; duplicates count twice, as in the
+    gathered softmax), so scores are one product with the rows, masked where the count is
+    0, and the probabilities times the counts are one product with the values. Only with
+    many global entries are the selected ones gathered per query."""
     T, H, D = q.shape
     out = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
     swa, kv, sink = swa.float(), kv.float(), sink.float()
     if kv.shape[0] == 0:
         kv_idx = kv_idx[:, :0]
+    K = kv_idx.shape[1]
+    dense_kv = 0 < K and kv.shape[0] <= 2 * K
     for t0 in range(0, T, ATTEND_CHUNK):
         t1 = min(T, t0 + ATTEND_CHUNK)
         qc, si, ki = q[t0:t1].float(), swa_idx[t0:t1].long(), kv_idx[t0:t1].long()
-        valid_s = si >= 0
-        lo = int(si[valid_s].min()) if valid_s.any() else 0
-        hi = int(si.max()) + 1 if valid_s.any() else 1
-        rows = swa[lo:hi]                                                # [R, D]
-        local = (si - lo).clamp(min=0)                                   # [c, W]
-        dense = torch.einsum("thd,rd->thr", qc, rows) * scale            # [c, H, R]
-        s_swa = dense.gather(2, local[:, None, :].expand(-1, H, -1))     # [c, H, W]
-        keys = kv[ki.clamp(min=0)]                                       # [c, K, D]
-        s_kv = torch.einsum("thd,tkd->thk", qc, keys) * scale
-        scores = torch.cat((s_swa, s_kv), 2)
-        valid = torch.cat((valid_s, ki >= 0), 1)
-        scores = scores.masked_fill(~valid[:, None, :], -math.inf)
-        sk = sink[None, :].expand(t1 - t0, -1)
-        m = torch.maximum(scores.amax(-1), sk)
-        p = torch.exp(scores - m[..., None])
-        denom = p.sum(-1) + torch.exp(sk - m)
-        W = si.shape[1]
-        p_dense = torch.zeros_like(dense).scatter_add_(2, local[:, None, :].expand(-1, H, -1),
-                                                       p[..., :W])
-        o = torch.einsum("thr,rd->thd", p_dense, rows)
-        o += torch.einsum("thk,tkd->thd", p[..., W:], keys)
+        valid_s, valid_k = si >= 0, ki >= 0
+        hi = max(int(si.max()) + 1, 1) if si.numel() else 1
+        lo = min(int(si.masked_fill(~valid_s, hi - 1).min()), hi - 1) if si.numel() else 0
+        rows, idx, hit = swa[lo:hi], [(si - lo).clamp(min=0)], [valid_s]
+        if dense_kv:
+            rows = torch.cat((rows, kv))
+            idx.append(ki.clamp(min=0) + (hi - lo))
+            hit.append(valid_k)
+        count = torch.zeros(t1 - t0, rows.shape[0], dtype=torch.float32, device=q.device)
+        count.scatter_add_(1, torch.cat(idx, 1), torch.cat(hit, 1).float())
+        scores = torch.matmul(qc, rows.T).mul_(scale)                   # [c, H, R]
+        scores.masked_fill_((count == 0)[:, None, :], -math.inf)
+        m = torch.maximum(scores.amax(-1), sink[None, :])
+        keys = None
+        if K and not dense_kv:
+            keys = kv[ki.clamp(min=0)]                                   # [c, K, D]
+            s_kv = torch.einsum("thd,tkd->thk", qc, keys).mul_(scale)
+            s_kv.masked_fill_(~valid_k[:, None, :], -math.inf)
+            m = torch.maximum(m, s_kv.amax(-1))
+        p = torch.exp_(scores.sub_(m[..., None])).mul_(count[:, None, :])
+        denom = p.sum(-1) + torch.exp(sink[None, :] - m)
+        # P.V with bf16 inputs (float32 accumulation, as FlashAttention does on a GPU): the
+        # output is rounded to bf16 for wo_a anyway, and oneDNN's bf16 GEMM is several
+        # times faster than float32 here; Q.K stays float32 (scores feed the exp).
+        o = torch.matmul(p.to(torch.bfloat16), rows.to(torch.bfloat16)).float()
+        if keys is not None:
+            pk = torch.exp_(s_kv.sub_(m[..., None]))
+            denom += pk.sum(-1)
+            o += torch.einsum("thk,tkd->thd", pk, keys)
         out[t0:t1] = o / denom[..., None]
     return out
 
@@ -192,29 +218,47 @@ def expert_forward(expert: nn.Module, xb: torch.Tensor) -> torch.Tensor:
     return linear((F.silu(gate) * up).to(torch.bfloat16), expert.w2)
 
 
-def moe_forward(moe: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
-    """Routed experts grouped by expert (a sorted per-expert loop) + shared experts;
-    float32 [T, hidden] out."""
+def moe_forward(moe: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None, *,
+                path: str | None = None, grouped_mm=None) -> torch.Tensor:
+    """Routed experts over the (token, slot) pairs sorted by expert - grouped GEMMs, one
+    padded bmm, or a per-expert loop, as moe_grouped.moe_path says (`path` forces one:
+    tests) - plus the shared experts; float32 [T, hidden] out."""
     ids, weights = gate_forward(moe.gate, x, tokens)
     T, k = ids.shape
     xb = x.to(torch.bfloat16)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     rows = order // k
-    counts = torch.bincount(flat, minlength=len(moe.experts)).tolist()
+    counts = torch.bincount(flat, minlength=len(moe.experts))
     xs = xb.index_select(0, rows)
-    out = torch.empty(T * k, x.shape[1], dtype=torch.float32, device=x.device)
-    at = 0
-    for e, n in enumerate(counts):
-        if n:
-            out[at:at + n] = expert_forward(moe.experts[e], xs[at:at + n]).float()
-            at += n
-    out *= weights.reshape(-1).index_select(0, order)[:, None]
+    path = path or _moe_path(moe, x.device)
+    routed = None
+    if path != "loop":
+        routed = moe_grouped.run_routed(moe, path, xs, counts, grouped_mm)
+    if routed is None:
+        routed = xs.new_empty(T * k, x.shape[1])
+        at = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                routed[at:at + n] = expert_forward(moe.experts[e], xs[at:at + n])
+                at += n
+    out = routed.float().mul_(weights.reshape(-1).index_select(0, order)[:, None])
     y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     y.index_add_(0, rows, out)
     if hasattr(moe, "shared_experts"):
         y += expert_forward(moe.shared_experts, xb).float()
     return y
+
+
+def _moe_path(moe: nn.Module, device: torch.device) -> str:
+    """moe_grouped.moe_path_for, cached per layer (again if the device or the experts'
+    storage dtype changes)."""
+    key = (device, moe.experts[0].w1.weight.dtype, moe.experts[-1].w2.weight.dtype)
+    cached = getattr(moe, "_dsv41_moe_path", None)
+    if cached is None or cached[0] != key:
+        cached = (key, moe_grouped.moe_path_for(moe, device)[0])
+        object.__setattr__(moe, "_dsv41_moe_path", cached)
+    return cached[1]
 
 
 # ---- weights -----------------------------------------------------------------------------

@@ -54,15 +54,23 @@ class Rope:
             freqs = yarn_frequencies(config.rope_head_dim, config.rope_theta, None)
         return cls(config.rope_head_dim, freqs)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False
-               ) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False,
+               fp32: bool = False) -> torch.Tensor:
         """Rotate the last `dim` dims of x [T, ..., D] (float32) at positions [T]; returns
         float32. inverse=True rotates by the negative angle (undoes a rotation at the same
-        position)."""
+        position). fp32=True (the production path) rotates in float32 (the angles are
+        still float64, so large positions keep their phase); the reference rotates in
+        float64 and rounds once."""
         angles = positions.to(torch.float64)[:, None] * self.freqs.to(x.device)[None, :]
         if inverse:
             angles = -angles
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.dim // 2,)
+        if fp32:   # (a + ib) * e^(i angle) in complex64 on a copy: the same products, few ops
+            out = x.float().clone()
+            pairs = torch.view_as_complex(out[..., -self.dim:].unflatten(-1, (-1, 2)))
+            pairs.mul_(torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+                       .view(shape))
+            return out
         cos, sin = torch.cos(angles).view(shape), torch.sin(angles).view(shape)
         tail = x[..., -self.dim:].double()
         a, b = tail[..., 0::2], tail[..., 1::2]
