@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const Tile ti = tile(i);
     ptx::bar_sync(kWgBarFull0 + b, kWgThreads);  // the producer decoded tile i into buffer b
 
-    // ---- S = Q K^T (asynchronous): 64 heads x this warpgroup's 32 keys ----
+    // ---- S = Q K^T: 64 heads x this warpgroup's 32 keys (the producer decodes meanwhile) ----
     float s_acc[16];
 #pragma unroll
     for (int e = 0; e < 16; ++e) s_acc[e] = 0.f;
@@ -307,7 +307,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                           wgmma::desc_sw128(sK + skey0 * 128 + kofs, 16, 1024), 1);
     }
     wgmma::commit();
-
     wgmma::wait<0>();
     wgmma::fence_operands(s_acc);
 
