@@ -42,6 +42,15 @@ __device__ __forceinline__ void wait() {
 // every writing thread runs this before the barrier that publishes the data.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// Warp-specialized register budgets (setmaxnreg, sm_90a): every warp of a warpgroup runs it
+// with the same immediate; a producer warpgroup gives registers back (dec) so that the
+// consumer warpgroups holding the accumulators can take them (inc, which waits until the
+// registers are free).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+
 // Keeps the compiler from moving accesses of accumulator registers across the async MMA.
 template <int N>
 __device__ __forceinline__ void fence_operands(float (&d)[N]) {

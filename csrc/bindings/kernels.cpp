@@ -63,8 +63,13 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(
     const at::Tensor& swa_idx_in, const at::Tensor& kv_codes_in, const at::Tensor& kv_scales_in,
     const at::Tensor& kv_idx_in, const at::Tensor& sink_in, double softmax_scale) {
   const char* op = "sparse_attention";
-  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, op, ": q must be float32 [T,H,D], got ",
-              q_in.scalar_type(), " ", q_in.sizes());
+  TORCH_CHECK(q_in.dim() == 3 && (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16), op,
+              ": q must be float32 or bfloat16 [T,H,D], got ", q_in.scalar_type(), " ", q_in.sizes());
+  // bf16 q: widened to float32 once here and the output rounded to bf16 at the end (lse
+  // stays float32), so the kernels keep one q/out type; the kernels round q to bf16 for the
+  // tensor cores anyway, so the widening loses nothing. Reading bf16 q and writing bf16 out
+  // inside the kernels would save these two small passes (docs/kernels.md).
+  const bool bf16_io = q_in.scalar_type() == at::kBFloat16;
   const int64_t T = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
   TORCH_CHECK(D % 32 == 0, op, ": head dim ", D, " must be a multiple of 32");
   TORCH_CHECK(swa_values_in.dim() == 2 && swa_values_in.scalar_type() == at::kFloat8_e4m3fn &&
@@ -91,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(
   TORCH_CHECK(swa_idx_in.size(1) + kv_idx_in.size(1) < (int64_t{1} << 30), op, ": too many keys per query");
 
   c10::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor q = q_in.contiguous();
+  at::Tensor q = bf16_io ? q_in.to(at::kFloat).contiguous() : q_in.contiguous();
   const at::Tensor swa_values = rows_contiguous(swa_values_in), swa_scales = rows_contiguous(swa_scales_in);
   const at::Tensor kv_codes = rows_contiguous(kv_codes_in), kv_scales = rows_contiguous(kv_scales_in);
   const at::Tensor swa_idx = rows_contiguous(swa_idx_in), kv_idx = rows_contiguous(kv_idx_in);
@@ -148,6 +153,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(
   at::Tensor ws;
   if (plan.workspace_floats > 0) ws = at::empty({plan.workspace_floats}, q.options());
   check_launch(cuda::sparse_attention(p, plan, ws.defined() ? ws.data_ptr<float>() : nullptr, current_stream()), op);
+  if (bf16_io) return {out.to(at::kBFloat16), lse};
   return {out, lse};
 }
 

@@ -5,28 +5,50 @@
 // Same work split and math as attention_mma.cu: one CTA = (query token t, 64 heads, key
 // split s); the valid keys compacted into one list (SWA, then global), tiles of 64 keys,
 // online softmax in the log2 domain, NVFP4 tiles decoded as value * 2^-8 (the folded
-// constant), V = K (MQA). What differs:
+// constant), V = K (MQA). What differs: three warpgroups with fixed roles.
 //
-//   two warpgroups, not 8 independent warps; both MMAs are wgmma with A and B read from
-//   shared memory through descriptors (128-byte swizzle, dsv41/cuda/wgmma.h):
+//   consumers (warpgroups 0, 1): both MMAs are wgmma with A and B read from shared memory
+//   through descriptors (128-byte swizzle, dsv41/cuda/wgmma.h):
 //     S = Q K^T   m64n32k16 x 32 k-steps   warpgroup g: keys 32g..32g+31 of the tile
 //     O += P V    m64n256k16 x 4 k-steps   warpgroup g: dims 256g..256g+255 (V = the K tile
 //                                          read MN-major, i.e. transposed)
-//   two K buffers; while the S wgmma of tile i runs (asynchronously), every thread loads
-//   tile i+1's stored bytes from global memory into registers and dequantizes them into the
-//   other buffer, so the FP8/NVFP4 decode overlaps the tensor cores instead of following
-//   them (no raw staging buffers and no cp.async).
+//   producer (warpgroup 2): while the consumers work on tile j-1 in one K buffer, it gathers
+//   tile j's stored bytes (the rows the compacted top-k / SWA indices name) with cp.async
+//   and dequantizes them into the other K buffer.
+//
+// Why cp.async, not TMA: the 64 rows of a tile sit at 64 unrelated pool rows. A TMA tensor
+// map describes boxes of a strided tensor, so a gathered tile would be 64 one-row TMA
+// copies (plus one per scale row) issued by one elected thread (sm_90 has no TMA gather
+// mode), whereas cp.async lets each of the 128 producer threads copy 16-byte pieces of any
+// row, and zero-fills the rows past a tile's count (src-size 0) for free.
+//
+// Why the producer dequantizes (not the consumers from a staging buffer): the consumers
+// hold 144 accumulator registers per thread and run the softmax; the FP8/NVFP4 decode is
+// ALU work. Done by a separate warpgroup it overlaps the consumers' wgmma (the warp
+// schedulers interleave it with the MMA waits), which is what the mma.sync kernel cannot
+// do; done by the consumers it would sit between two tiles' MMAs. setmaxnreg moves registers
+// from the producer to the consumers (config.h).
 //
 // Shared layout (config.h, kWg*): every [64 rows][512 dims] bf16 tile is 8 blocks of
 // [64 rows][128 B] (64 dims), 16-byte chunk c of row r at chunk (c ^ (r & 7)) of its
 // 128-byte line: the canonical 128-byte-swizzled K-major layout wgmma reads (8-row atoms of
 // 1024 bytes). Dims are in the permuted pair order of dsv41/dequant.h inside a group of 8,
 // in q and K alike (the dot products do not see it; the epilogue undoes it). The P tile
-// [64 heads][64 keys] bf16 is one such block. Generic stores into any of these are
-// followed by fence.proxy.async before the barrier that hands them to wgmma.
+// [64 heads][64 keys] bf16 is one such block. There is no room for a separate raw tile
+// (config.h): tile j's raw values are staged in the upper half of its own K buffer and its
+// scales in a small scale buffer; the producer decodes dims 0..255 (written below the
+// stage), then holds its share of dims 256..511 in registers across a producer-only barrier
+// before writing over the stage. Generic stores into anything wgmma reads are followed by
+// fence.proxy.async before the barrier that hands them over.
 //
-// Barriers per tile: B1 (row maxima of both warpgroups), B2 (P, alpha and the next K tile
-// written and fenced), B3 (P V done: P and this K buffer free).
+// Handoff (named barriers, config.h kWgBar*): K buffer b = (j - tb) & 1 holds tile j.
+//   producer, tile j: [j - tb >= 2: bar.sync EMPTY[b]] cp.async -> wait_group 0 ->
+//     bar.sync PRODUCER -> decode -> fence.proxy.async -> bar.arrive FULL[b]
+//   consumers, tile i: bar.sync FULL[b] -> S -> B1 (row maxima) -> P, alpha -> B2 (P of both
+//     warpgroups written) -> P V -> wait -> [i + 2 < te: bar.arrive EMPTY[b]]
+// Every arrive is matched by exactly one sync of the other side, so no barrier is left
+// half-arrived at exit. P and s_red are reused safely across tiles because a warpgroup
+// reaches B1 of tile i+1 only after its own P V of tile i has completed.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -44,6 +66,9 @@ namespace dsv41 {
 namespace attn {
 namespace {
 
+using ptx::ld_shared_b32;
+using ptx::ld_shared_v2;
+using ptx::ld_shared_v4;
 using ptx::st_shared_b32;
 using ptx::st_shared_v4;
 
@@ -61,31 +86,65 @@ struct Tile {
   bool kv;    // NVFP4 global entries (else FP8 SWA)
 };
 
-// The stored bytes of one thread's share of a tile: row r = tid % 64, quarter qq = tid / 64
-// (dims 128qq..128qq+127). Rows past the tile's count load zeros (they decode to zeros, so
-// a V row never holds stale data; their logits are masked).
+// Producer thread ptid's cp.async share of tile ti: its raw values into the stage (row r at
+// r * 512 (FP8) or r * 256 (NVFP4) bytes, 16-byte chunk c at (c ^ (r & 7)), as in
+// attention_mma.cu's raw buffers) and its scale rows into sSc (r * 16 or r * 32 bytes).
+// Rows past the tile's count are zero-filled (they decode to zeros, so a V row never holds
+// stale data; their logits are masked).
+__device__ __forceinline__ void stage_tile(const SparseAttentionParams& p, const int* s_idx, const Tile& ti,
+                                           uint32_t stage, uint32_t sSc, int ptid) {
+  if (!ti.kv) {
+    for (int u = ptid; u < kTileKeys * 33; u += kWgProducerThreads) {
+      const int r = u / 33, c = u - r * 33;
+      const bool ok = r < ti.rows;
+      const int64_t row = ok ? s_idx[ti.first + r] : 0;
+      const uint8_t* src;
+      uint32_t dst;
+      if (c < 32) {
+        src = p.swa_values + row * p.swa_values_stride + 16 * c;
+        dst = stage + r * 512 + ((c ^ (r & 7)) << 4);
+      } else {
+        src = p.swa_scales + row * p.swa_scales_stride;
+        dst = sSc + r * 16;
+      }
+      ptx::cp_async_16(dst, src, ok ? 16u : 0u);
+    }
+  } else {
+    for (int u = ptid; u < kTileKeys * 18; u += kWgProducerThreads) {
+      const int r = u / 18, c = u - r * 18;
+      const bool ok = r < ti.rows;
+      const int64_t row = ok ? s_idx[ti.first + r] : 0;
+      const uint8_t* src;
+      uint32_t dst;
+      if (c < 16) {
+        src = p.kv_codes + row * p.kv_codes_stride + 16 * c;
+        dst = stage + r * 256 + ((c ^ (r & 7)) << 4);
+      } else {
+        src = p.kv_scales + row * p.kv_scales_stride + 16 * (c - 16);
+        dst = sSc + r * 32 + 16 * (c - 16);
+      }
+      ptx::cp_async_16(dst, src, ok ? 16u : 0u);
+    }
+  }
+}
+
+// The stored bytes of one decode share, read back from the stage: row r, quarter qq (dims
+// 128qq..128qq+127). A warp covers 32 rows at one quarter: the row-XOR swizzle spreads each
+// 8-thread phase of its 16-byte loads over the 8 bank groups.
 struct RawShare {
   uint4 v[8];   // FP8: 128 value bytes; NVFP4: v[0..3] = 64 code bytes
   uint2 sc;     // FP8: sc.x = 4 UE8M0 scales; NVFP4: 8 E4M3 scales
 };
 
-__device__ __forceinline__ void load_share(const SparseAttentionParams& p, const int* s_idx, const Tile& ti,
-                                           int r, int qq, RawShare& raw) {
-  const bool ok = r < ti.rows;
-  const int64_t row = ok ? s_idx[ti.first + r] : 0;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  if (!ti.kv) {
-    const uint4* v = reinterpret_cast<const uint4*>(p.swa_values + row * p.swa_values_stride + 128 * qq);
+__device__ __forceinline__ void read_share(uint32_t stage, uint32_t sSc, bool kv, int r, int qq, RawShare& raw) {
+  if (!kv) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) raw.v[j] = ok ? __ldg(v + j) : zero;
-    raw.sc.x = ok ? __ldg(reinterpret_cast<const uint32_t*>(p.swa_scales + row * p.swa_scales_stride + 4 * qq)) : 0u;
-    raw.sc.y = 0u;
+    for (int j = 0; j < 8; ++j) raw.v[j] = ld_shared_v4(stage + r * 512 + (((8 * qq + j) ^ (r & 7)) << 4));
+    raw.sc = make_uint2(ld_shared_b32(sSc + r * 16 + 4 * qq), 0u);
   } else {
-    const uint4* v = reinterpret_cast<const uint4*>(p.kv_codes + row * p.kv_codes_stride + 64 * qq);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) raw.v[j] = ok ? __ldg(v + j) : zero;
-    raw.sc = ok ? __ldg(reinterpret_cast<const uint2*>(p.kv_scales + row * p.kv_scales_stride + 8 * qq))
-                : make_uint2(0u, 0u);
+    for (int j = 0; j < 4; ++j) raw.v[j] = ld_shared_v4(stage + r * 256 + (((4 * qq + j) ^ (r & 7)) << 4));
+    raw.sc = ld_shared_v2(sSc + r * 32 + 8 * qq);
   }
 }
 
@@ -148,6 +207,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const uint32_t sK0 = ptx::smem_addr(smem + kWgOffK0);  // buffer b at sK0 + b * kKBytes
   static_assert(kWgOffK1 == kWgOffK0 + kKBytes, "K buffers are adjacent");
   const uint32_t sP = ptx::smem_addr(smem + kWgOffP);
+  const uint32_t sScales0 = ptx::smem_addr(smem + kWgOffScales0);  // buffer b at + b * kWgScaleBytes
   float* s_red = reinterpret_cast<float*>(smem + kWgOffStats);  // [2][64] row max per warpgroup
   float* s_alpha = s_red + 2 * 64;                              // [64]
   float* s_l = s_alpha + 64;                                    // [2][64]
@@ -158,7 +218,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // ---- q -> bf16, permuted pairs, swizzled K-major ----
   {
     const float* qt = p.q + static_cast<int64_t>(t) * p.q_stride_t + static_cast<int64_t>(h0) * p.q_stride_h;
-    for (int u = tid; u < kHeadsPerCta * (kHeadDim / 8); u += kWgThreads) {
+    for (int u = tid; u < kHeadsPerCta * (kHeadDim / 8); u += kWgThreads) {  // all three warpgroups
       const int h = u >> 6, g = u & 63;
       const float4* src = reinterpret_cast<const float4*>(qt + h * p.q_stride_h + 8 * g);
       const float4 lo = __ldg(src), hi = __ldg(src + 1);
@@ -168,9 +228,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   }
 
   // ---- the key list of this query ----
-  const int n_swa = compact_indices(p.swa_idx + static_cast<int64_t>(t) * p.swa_idx_stride, p.W,
+  const int n_swa = compact_indices<kWgThreads>(p.swa_idx + static_cast<int64_t>(t) * p.swa_idx_stride, p.W,
                                     p.n_swa_rows, s_idx, s_misc);
-  const int n_kv = compact_indices(p.kv_idx + static_cast<int64_t>(t) * p.kv_idx_stride, p.K,
+  const int n_kv = compact_indices<kWgThreads>(p.kv_idx + static_cast<int64_t>(t) * p.kv_idx_stride, p.K,
                                    p.n_kv_rows, s_idx + n_swa, s_misc);
   const int swa_tiles = (n_swa + kTileKeys - 1) / kTileKeys;
   const int n_tiles = swa_tiles + (n_kv + kTileKeys - 1) / kTileKeys;
@@ -186,33 +246,55 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     return {n_swa + kTileKeys * j, min(kTileKeys, n_kv - kTileKeys * j), true};
   };
 
-  // ---- per-thread state ----
+  wgmma::fence_proxy_async();  // q (generic stores) -> wgmma
+  __syncthreads();             // q and the key list ready; the last CTA-wide barrier
+
+  // ---- producer warpgroup: tile j -> K buffer (j - tb) & 1 ----
+  if (wg == kWgConsumerThreads / 128) {
+    wgmma::setmaxnreg_dec<kWgProducerRegs>();
+    const int ptid = tid - kWgConsumerThreads;
+    const int r_dq = ptid & 63, h_dq = ptid >> 6;  // decode share: row r_dq, quarters h_dq, 2 + h_dq
+    for (int j = tb; j < te; ++j) {
+      const int b = (j - tb) & 1;
+      const uint32_t sK = sK0 + b * kKBytes;
+      const uint32_t stage = sK + kWgStageOff;
+      const uint32_t sSc = sScales0 + b * kWgScaleBytes;
+      if (j - tb >= 2) ptx::bar_sync(kWgBarEmpty0 + b, kWgThreads);  // P V of tile j-2 is done with it
+      const Tile tj = tile(j);
+      stage_tile(p, s_idx, tj, stage, sSc, ptid);
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<0>();
+      ptx::bar_sync(kWgBarProducer, kWgProducerThreads);  // every producer thread's copies landed
+      RawShare raw;
+      read_share(stage, sSc, tj.kv, r_dq, h_dq, raw);
+      store_share(sK, tj.kv, r_dq, h_dq, raw);  // dims 0..255: blocks 0..3, below the stage
+      read_share(stage, sSc, tj.kv, r_dq, 2 + h_dq, raw);
+      ptx::bar_sync(kWgBarProducer, kWgProducerThreads);  // the whole stage is read: write over it
+      store_share(sK, tj.kv, r_dq, 2 + h_dq, raw);  // dims 256..511: blocks 4..7, the stage
+      wgmma::fence_proxy_async();
+      ptx::bar_arrive(kWgBarFull0 + b, kWgThreads);
+    }
+    return;
+  }
+
+  // ---- consumer warpgroups ----
+  wgmma::setmaxnreg_inc<kWgConsumerRegs>();
   const int g = lane >> 2, qd = lane & 3;
   const int srow0 = 16 * wl;   // this warp's 16 head rows (S and O alike)
   const int skey0 = 32 * wg;   // this warpgroup's keys in S
-  const int r_ld = tid & 63, qq_ld = tid >> 6;  // this thread's share of a tile's decode
   float m_run[2] = {-INFINITY, -INFINITY};  // rows srow0+g, srow0+g+8
   float l_run[2] = {0.f, 0.f};              // this thread's share of the row sums
   float o_acc[128];                         // O[64 heads x dims 256wg..]: wgmma fragment
 #pragma unroll
   for (int e = 0; e < 128; ++e) o_acc[e] = 0.f;
 
-  // ---- prologue: tile tb decoded into K buffer 0 ----
-  if (tb < te) {
-    RawShare raw;
-    const Tile t0 = tile(tb);
-    load_share(p, s_idx, t0, r_ld, qq_ld, raw);
-    store_share(sK0, t0.kv, r_ld, qq_ld, raw);
-  }
-  wgmma::fence_proxy_async();
-  __syncthreads();
-
   for (int i = tb; i < te; ++i) {
-    const uint32_t sK = sK0 + ((i - tb) & 1) * kKBytes;
-    const uint32_t sK_next = sK0 + (((i - tb) & 1) ^ 1) * kKBytes;
+    const int b = (i - tb) & 1;
+    const uint32_t sK = sK0 + b * kKBytes;
     const Tile ti = tile(i);
+    ptx::bar_sync(kWgBarFull0 + b, kWgThreads);  // the producer decoded tile i into buffer b
 
-    // ---- S = Q K^T (asynchronous): 64 heads x this warpgroup's 32 keys ----
+    // ---- S = Q K^T: 64 heads x this warpgroup's 32 keys (the producer decodes meanwhile) ----
     float s_acc[16];
 #pragma unroll
     for (int e = 0; e < 16; ++e) s_acc[e] = 0.f;
@@ -225,16 +307,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                           wgmma::desc_sw128(sK + skey0 * 128 + kofs, 16, 1024), 1);
     }
     wgmma::commit();
-
-    // ---- meanwhile: tile i+1 from global memory into the other K buffer ----
-    if (i + 1 < te) {
-      RawShare raw;
-      const Tile tn = tile(i + 1);
-      load_share(p, s_idx, tn, r_ld, qq_ld, raw);
-      store_share(sK_next, tn.kv, r_ld, qq_ld, raw);
-    }
-    wgmma::fence_proxy_async();  // before B2 publishes the next tile to wgmma
-
     wgmma::wait<0>();
     wgmma::fence_operands(s_acc);
 
@@ -261,7 +333,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       s_red[wg * 64 + srow0 + g] = mx[0];
       s_red[wg * 64 + srow0 + g + 8] = mx[1];
     }
-    __syncthreads();  // B1
+    ptx::bar_sync(kWgBarConsumers, kWgConsumerThreads);  // B1
     float alpha[2], m_use[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
@@ -296,7 +368,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       o_acc[4 * j + 3] *= alpha[1];
     }
     wgmma::fence_proxy_async();  // P (generic stores) -> wgmma
-    __syncthreads();             // B2: P of both warpgroups and the next K tile ready
+    ptx::bar_sync(kWgBarConsumers, kWgConsumerThreads);  // B2: P of both warpgroups written
 
     // ---- O += P V: 64 heads x this warpgroup's 256 dims, 4 k-steps of 16 keys ----
     wgmma::fence_operands(o_acc);
@@ -309,7 +381,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::fence_operands(o_acc);
-    __syncthreads();  // B3: P and this K buffer free
+    if (i + 2 < te) ptx::bar_arrive(kWgBarEmpty0 + b, kWgThreads);  // buffer b free for tile i+2
   }
 
   // ---- epilogue: l, lse, 1/l and the sink factor per head row ----
@@ -322,7 +394,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     s_l[wg * 64 + srow0 + g] = l_run[0];
     s_l[wg * 64 + srow0 + g + 8] = l_run[1];
   }
-  __syncthreads();
+  ptx::bar_sync(kWgBarConsumers, kWgConsumerThreads);
   if (wg == 0 && qd == 0) {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
@@ -347,7 +419,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         p.lse[static_cast<int64_t>(t) * p.lse_stride_t + h0 + row] = lse;
     }
   }
-  __syncthreads();
+  ptx::bar_sync(kWgBarConsumers, kWgConsumerThreads);
   // o_acc[4j + 2rr + e] = O[srow0 + g + 8rr][stored position 256wg + 8j + 2qd + e]; stored
   // positions 2qd, 2qd+1 of group 32wg+j are dims qd, qd+4: the shuffles of attention_mma.cu
   // give lane qd dims 2qd, 2qd+1 for one 8-byte store.

@@ -58,21 +58,36 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t sQ = ptx::smem_addr(smem);
   float* s_w = reinterpret_cast<float*>(smem + static_cast<size_t>(a.tokens_per_cta) * p.Hi * kDi * 2);
 
-  const bool q_words = (reinterpret_cast<uintptr_t>(p.q_codes) & 3) == 0;
+  const uintptr_t q_base = reinterpret_cast<uintptr_t>(p.q_codes);
+  const bool q_vec16 = (q_base & 15) == 0, q_words = (q_base & 3) == 0;
   // ---- queries -> bf16 [rows][128] (permuted pairs, 16 chunks per row, XOR swizzle) ----
-  for (int u = tid; u < rows * kGroups; u += kThreads) {
-    const int r = u / kGroups, grp = u - r * kGroups;
+  // One item = one 32-value block of a row: 16 code bytes (rows are 64 bytes, so a 16-byte
+  // aligned base keeps every block aligned: one 16-byte load), one UE8M0 scale, four 8-value
+  // groups. Four 4-byte loads for a 4-byte aligned base, byte loads only for a misaligned
+  // one (a view at an odd storage offset).
+  for (int u = tid; u < rows * (kGroups / 4); u += kThreads) {
+    const int r = u / (kGroups / 4), blk = u - r * (kGroups / 4);
     const int64_t qrow = static_cast<int64_t>(t0) * p.Hi + r;  // row of q_codes [T*Hi, 64]
-    const uint8_t* c = p.q_codes + qrow * (kDi / 2) + 4 * grp;
-    // One 4-byte load per item (rows are 64 bytes, so 4-byte alignment of the base is
-    // enough); byte loads only for a misaligned base (a view at an odd storage offset).
-    const uint32_t w = q_words ? __ldg(reinterpret_cast<const uint32_t*>(c))
-                               : static_cast<uint32_t>(c[0]) | (static_cast<uint32_t>(c[1]) << 8) |
-                                     (static_cast<uint32_t>(c[2]) << 16) | (static_cast<uint32_t>(c[3]) << 24);
-    const dq::Pow2Factor f = dq::ue8m0_factor(p.q_scales[qrow * (kDi / 32) + grp / 4], dq::kE2M1PatternBias);
-    uint32_t o[4];
-    dq::mxfp4_group8(w, f, o);
-    ptx::st_shared_v4(sQ + r * 256 + ((grp ^ (r & 7)) << 4), o[0], o[1], o[2], o[3]);
+    const uint8_t* c = p.q_codes + qrow * (kDi / 2) + 16 * blk;
+    uint32_t w[4];
+    if (q_vec16) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(c));
+      w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else {
+#pragma unroll
+      for (int x = 0; x < 4; ++x)
+        w[x] = q_words ? __ldg(reinterpret_cast<const uint32_t*>(c + 4 * x))
+                       : static_cast<uint32_t>(c[4 * x]) | (static_cast<uint32_t>(c[4 * x + 1]) << 8) |
+                             (static_cast<uint32_t>(c[4 * x + 2]) << 16) | (static_cast<uint32_t>(c[4 * x + 3]) << 24);
+    }
+    const dq::Pow2Factor f = dq::ue8m0_factor(p.q_scales[qrow * (kDi / 32) + blk], dq::kE2M1PatternBias);
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int grp = 4 * blk + x;
+      uint32_t o[4];
+      dq::mxfp4_group8(w[x], f, o);
+      ptx::st_shared_v4(sQ + r * 256 + ((grp ^ (r & 7)) << 4), o[0], o[1], o[2], o[3]);
+    }
   }
   for (int u = tid; u < rows; u += kThreads) s_w[u] = p.weights[static_cast<int64_t>(t0) * p.Hi + u];
 

@@ -101,13 +101,16 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const __grid_constant
   const int64_t k = p.k;
   const int64_t out_len = k * p.block;
 
-  // A full fence around the cluster barrier: the histograms and totals are written with
-  // ordinary shared-memory stores and read by other CTAs through distributed shared memory,
-  // so the ordering must not rest on the default semantics of cg's arrive/wait alone.
-  // fence.acq_rel.cluster, then arrive.release / wait.acquire (every thread, aligned).
+  // The histograms and totals are written with ordinary shared-memory stores and read by
+  // other CTAs through distributed shared memory. barrier.cluster.arrive.release orders
+  // every memory access of the arriving thread before the arrive at cluster scope, and
+  // wait.acquire orders the waiting thread's later accesses after it (PTX ISA, memory
+  // consistency model: the arrive/wait pair is a release/acquire pattern at cluster scope),
+  // which is exactly what a read of another CTA's histogram needs; no separate
+  // fence.acq_rel.cluster (a full fence) is needed. Spelled out rather than left to cg's
+  // defaults (every thread, aligned).
   auto cluster_sync = [&]() {
     if (C > 1) {
-      __threadfence_cluster();
       asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
     } else {
       __syncthreads();

@@ -1,9 +1,13 @@
 """A numpy emulation of csrc/cuda/attention_wgmma.cu (one CTA at a time), the counterpart of
 attention_emulator.py for the wgmma kernel.
 
-The kernel's index arithmetic runs here as written in the .cu file (wg_off, the decode
-shares of each thread, the descriptor start addresses and byte offsets, the accumulator
-fragment indices, the epilogue shuffles) against a byte-addressed shared memory. wgmma is
+The kernel's index arithmetic runs here as written in the .cu file (wg_off, the producer
+warpgroup's cp.async pieces into the stage in the upper half of the next K buffer and into
+the scale buffer, its two-phase decode shares, the K/scale buffer parity, the descriptor
+start addresses and byte offsets, the accumulator fragment indices, the epilogue shuffles)
+against a byte-addressed shared memory. The producer runs on the earliest schedule its
+barriers allow (tile i+2 right after the P V of tile i), and a phase-1 store into the live
+stage fails at once, so a wrong parity, stage offset or phase split shows up. wgmma is
 modelled from the PTX ISA's description, independently of the kernel's expressions: the
 64-bit descriptor is unpacked into its fields, every element's address is computed from
 the canonical 128-byte-swizzled layouts (K-major: 8-row atoms of 128-byte rows, SBO
@@ -26,7 +30,11 @@ from .attention_emulator import (G, LOG2E, NVFP4_SHIFT, Q, _decode_fp8_bytes, _d
 BLOCK = 8192
 OFF_Q, OFF_K0, OFF_K1, OFF_P = 0, 65536, 131072, 196608
 K_BYTES = 65536
-SMEM = OFF_P + 8192
+STAGE_OFF = K_BYTES // 2        # kWgStageOff: raw values of a tile in the upper half of its K buffer
+SCALE_BYTES = 2048              # kWgScaleBytes
+OFF_SC0 = OFF_P + 8192          # kWgOffScales0: [2][SCALE_BYTES]
+SMEM = OFF_SC0 + 2 * SCALE_BYTES
+PRODUCER_THREADS = 128
 
 
 def wg_off(r, c):
@@ -40,9 +48,15 @@ def desc_sw128(addr, lbo, sbo):  # dsv41/cuda/wgmma.h
 class Smem:
     def __init__(self):
         self.b = np.zeros(SMEM, dtype=np.uint8)
+        self.guard = None  # (lo, hi): a store into [lo, hi) is a layout bug (the live stage)
 
     def st16(self, addr, halves):
+        if self.guard is not None:
+            assert not (self.guard[0] - 16 < addr < self.guard[1]), f"store at {addr} hits the stage {self.guard}"
         self.b[addr:addr + 16] = np.asarray(halves, dtype=np.uint16).view(np.uint8)
+
+    def ld(self, addr, n):
+        return self.b[addr:addr + n].copy()
 
     def st32(self, addr, lo, hi):
         self.b[addr:addr + 4] = np.array([lo, hi], dtype=np.uint16).view(np.uint8)
@@ -133,35 +147,71 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
         perm[0::2], perm[1::2] = vals[:4], vals[4:]
         sm.st16(sK + wg_off(r, group), bf16_bits(perm))
 
-    def decode_tile(i, sK):  # load_share + store_share of every thread
-        first, rows, kv = tile(i)
-        for tid in range(256):
-            r, qq = tid & 63, tid >> 6
-            ok = r < rows
-            row = s_idx[first + r] if ok else 0
-            if not kv:
-                v = swa_v[row, 128 * qq:128 * qq + 128] if ok else np.zeros(128, np.uint8)
-                sc = swa_s[row, 4 * qq:4 * qq + 4] if ok else np.zeros(4, np.uint8)
-                for jb in range(4):
-                    for jc in range(2):
-                        c = 8 * qq + 2 * jb + jc
-                        j = 2 * jb + jc
-                        vals = _decode_fp8_bytes(v[16 * j:16 * j + 16], int(sc[jb]))
-                        store_group(sK, r, 2 * c, vals[:8])
-                        store_group(sK, r, 2 * c + 1, vals[8:])
-            else:
-                v = kv_c[row, 64 * qq:64 * qq + 64] if ok else np.zeros(64, np.uint8)
-                sc = kv_s[row, 8 * qq:8 * qq + 8] if ok else np.zeros(8, np.uint8)
-                for jc in range(4):
-                    c = 4 * qq + jc
-                    # sw = .x (bytes 0-3) or .y (4-7); f0, f1 = its bytes 2(jc&1), 2(jc&1)+1
-                    f0 = int(sc[4 * (jc >= 2) + 2 * (jc & 1)])
-                    f1 = int(sc[4 * (jc >= 2) + 2 * (jc & 1) + 1])
-                    cb = v[16 * jc:16 * jc + 16]
-                    v0 = _decode_nvfp4_bytes(cb[:8], f0) * 2.0 ** -NVFP4_SHIFT
-                    v1 = _decode_nvfp4_bytes(cb[8:], f1) * 2.0 ** -NVFP4_SHIFT
-                    for x, vals in enumerate((v0[:8], v0[8:], v1[:8], v1[8:])):
-                        store_group(sK, r, 4 * c + x, vals)
+    def stage_tile(j, stage, sSc):  # stage_tile: the cp.async pieces of every producer thread
+        first, rows, kv = tile(j)
+        per_row = 18 if kv else 33
+        for ptid in range(PRODUCER_THREADS):
+            for u in range(ptid, 64 * per_row, PRODUCER_THREADS):
+                r, c = divmod(u, per_row)
+                ok = r < rows
+                row = s_idx[first + r] if ok else 0
+                if not kv:
+                    if c < 32:
+                        src, dst = swa_v[row, 16 * c:16 * c + 16], stage + r * 512 + ((c ^ (r & 7)) << 4)
+                    else:
+                        src, dst = swa_s[row, 0:16], sSc + r * 16
+                else:
+                    if c < 16:
+                        src, dst = kv_c[row, 16 * c:16 * c + 16], stage + r * 256 + ((c ^ (r & 7)) << 4)
+                    else:
+                        src, dst = kv_s[row, 16 * (c - 16):16 * (c - 16) + 16], sSc + r * 32 + 16 * (c - 16)
+                sm.b[dst:dst + 16] = src if ok else 0  # src-size 0: zero fill
+
+    def read_share(stage, sSc, kv, r, qq):
+        if not kv:
+            v = np.concatenate([sm.ld(stage + r * 512 + (((8 * qq + j) ^ (r & 7)) << 4), 16) for j in range(8)])
+            return v, sm.ld(sSc + r * 16 + 4 * qq, 4)
+        v = np.concatenate([sm.ld(stage + r * 256 + (((4 * qq + j) ^ (r & 7)) << 4), 16) for j in range(4)])
+        return v, sm.ld(sSc + r * 32 + 8 * qq, 8)
+
+    def store_share(sK, kv, r, qq, raw):
+        v, sc = raw
+        if not kv:
+            for jb in range(4):
+                for jc in range(2):
+                    c = 8 * qq + 2 * jb + jc
+                    j = 2 * jb + jc
+                    vals = _decode_fp8_bytes(v[16 * j:16 * j + 16], int(sc[jb]))
+                    store_group(sK, r, 2 * c, vals[:8])
+                    store_group(sK, r, 2 * c + 1, vals[8:])
+        else:
+            for jc in range(4):
+                c = 4 * qq + jc
+                # sw = .x (bytes 0-3) or .y (4-7); f0, f1 = its bytes 2(jc&1), 2(jc&1)+1
+                f0 = int(sc[4 * (jc >= 2) + 2 * (jc & 1)])
+                f1 = int(sc[4 * (jc >= 2) + 2 * (jc & 1) + 1])
+                cb = v[16 * jc:16 * jc + 16]
+                v0 = _decode_nvfp4_bytes(cb[:8], f0) * 2.0 ** -NVFP4_SHIFT
+                v1 = _decode_nvfp4_bytes(cb[8:], f1) * 2.0 ** -NVFP4_SHIFT
+                for x, vals in enumerate((v0[:8], v0[8:], v1[:8], v1[8:])):
+                    store_group(sK, r, 4 * c + x, vals)
+
+    def produce(j):  # the producer warpgroup's iteration j: stage, then decode in two phases
+        b = (j - tb) & 1
+        sK = OFF_K0 + b * K_BYTES
+        stage = sK + STAGE_OFF
+        sSc = OFF_SC0 + b * SCALE_BYTES
+        stage_tile(j, stage, sSc)
+        kv = tile(j)[2]
+        sm.guard = (stage, sK + K_BYTES)  # phase 1 must write below the stage only
+        for ptid in range(PRODUCER_THREADS):
+            r_dq, h_dq = ptid & 63, ptid >> 6
+            store_share(sK, kv, r_dq, h_dq, read_share(stage, sSc, kv, r_dq, h_dq))
+        sm.guard = None
+        # phase 2: every producer thread reads its share, the producer barrier, then the stores
+        raws = [read_share(stage, sSc, kv, ptid & 63, 2 + (ptid >> 6)) for ptid in range(PRODUCER_THREADS)]
+        for ptid in range(PRODUCER_THREADS):
+            store_share(sK, kv, ptid & 63, 2 + (ptid >> 6), raws[ptid])
 
     # per-thread state: [warpgroup, warp in it, lane, ...]
     m_run = np.full((2, 4, 32, 2), -np.inf, np.float32)
@@ -169,11 +219,15 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
     o_acc = np.zeros((2, 4, 32, 128), np.float32)
     s_red = np.zeros(128, np.float32)
 
-    if tb < te:
-        decode_tile(tb, OFF_K0)
+    # The schedule is the earliest one the barriers allow the producer: tiles tb and tb+1
+    # before any consumer work (no EMPTY wait), tile i+2 as soon as the P V of tile i has
+    # released its buffer, i.e. before the consumers' S of tile i+1. A wrong buffer parity
+    # or stage offset overwrites data the consumers still read.
+    for j in range(tb, min(te, tb + 2)):
+        produce(j)
     for i in range(tb, te):
-        sK = OFF_K0 + ((i - tb) & 1) * K_BYTES
-        sK_next = OFF_K0 + (((i - tb) & 1) ^ 1) * K_BYTES
+        b = (i - tb) & 1
+        sK = OFF_K0 + b * K_BYTES
         _, rows, kv = tile(i)
         s_acc = np.zeros((2, 4, 32, 16), np.float32)
         for wg in range(2):
@@ -182,8 +236,6 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
                 kofs = (ks >> 2) * BLOCK + (ks & 3) * 32
                 wgmma(sm, s_acc[wg], desc_sw128(OFF_Q + kofs, 16, 1024),
                       desc_sw128(sK + skey0 * 128 + kofs, 16, 1024), 32, 0, 1)
-        if i + 1 < te:
-            decode_tile(i + 1, sK_next)
         c_tile = np.float32(scale * LOG2E * (256.0 if kv else 1.0))
         pshift = np.float32(8.0 if kv else 0.0)
         mx_all = np.full((2, 4, 32, 2), -np.inf, np.float32)
@@ -242,6 +294,8 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
             for ks in range(4):
                 wgmma(sm, o_acc[wg], desc_sw128(OFF_P + ks * 32, 16, 1024),
                       desc_sw128(sK + (4 * wg) * BLOCK + ks * 2048, BLOCK, 1024), 256, 1, 1)
+        if i + 2 < te:  # EMPTY[b] -> the producer's iteration i+2
+            produce(i + 2)
     # epilogue
     s_l = np.zeros(128, np.float32)
     for wg in range(2):

@@ -108,17 +108,45 @@ def test_emulator_tracks_the_kernel_source():
 _TRANSCRIBED_WGMMA = [
     "return static_cast<uint32_t>((c >> 3) * kWgBlockBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));",
     "st_shared_v4(sQ + wg_off(h, g), dq::floats_to_bf16x2(lo.x, hi.x), dq::floats_to_bf16x2(lo.y, hi.y),",
-    "const uint4* v = reinterpret_cast<const uint4*>(p.swa_values + row * p.swa_values_stride + 128 * qq);",
-    "raw.sc.x = ok ? __ldg(reinterpret_cast<const uint32_t*>(p.swa_scales + row * p.swa_scales_stride + 4 * qq)) : 0u;",
-    "const uint4* v = reinterpret_cast<const uint4*>(p.kv_codes + row * p.kv_codes_stride + 64 * qq);",
-    "raw.sc = ok ? __ldg(reinterpret_cast<const uint2*>(p.kv_scales + row * p.kv_scales_stride + 8 * qq))",
+    # producer: cp.async pieces, stage and scale buffers, parity, the two decode phases
+    "for (int u = ptid; u < kTileKeys * 33; u += kWgProducerThreads) {",
+    "const int r = u / 33, c = u - r * 33;",
+    "src = p.swa_values + row * p.swa_values_stride + 16 * c;",
+    "dst = stage + r * 512 + ((c ^ (r & 7)) << 4);",
+    "src = p.swa_scales + row * p.swa_scales_stride;",
+    "dst = sSc + r * 16;",
+    "for (int u = ptid; u < kTileKeys * 18; u += kWgProducerThreads) {",
+    "const int r = u / 18, c = u - r * 18;",
+    "src = p.kv_codes + row * p.kv_codes_stride + 16 * c;",
+    "dst = stage + r * 256 + ((c ^ (r & 7)) << 4);",
+    "src = p.kv_scales + row * p.kv_scales_stride + 16 * (c - 16);",
+    "dst = sSc + r * 32 + 16 * (c - 16);",
+    "ptx::cp_async_16(dst, src, ok ? 16u : 0u);",
+    "for (int j = 0; j < 8; ++j) raw.v[j] = ld_shared_v4(stage + r * 512 + (((8 * qq + j) ^ (r & 7)) << 4));",
+    "raw.sc = make_uint2(ld_shared_b32(sSc + r * 16 + 4 * qq), 0u);",
+    "for (int j = 0; j < 4; ++j) raw.v[j] = ld_shared_v4(stage + r * 256 + (((4 * qq + j) ^ (r & 7)) << 4));",
+    "raw.sc = ld_shared_v2(sSc + r * 32 + 8 * qq);",
+    "const int r_dq = ptid & 63, h_dq = ptid >> 6;",
+    "const int b = (j - tb) & 1;",
+    "const uint32_t sK = sK0 + b * kKBytes;",
+    "const uint32_t stage = sK + kWgStageOff;",
+    "const uint32_t sSc = sScales0 + b * kWgScaleBytes;",
+    "if (j - tb >= 2) ptx::bar_sync(kWgBarEmpty0 + b, kWgThreads);",
+    "read_share(stage, sSc, tj.kv, r_dq, h_dq, raw);",
+    "store_share(sK, tj.kv, r_dq, h_dq, raw);",
+    "read_share(stage, sSc, tj.kv, r_dq, 2 + h_dq, raw);",
+    "store_share(sK, tj.kv, r_dq, 2 + h_dq, raw);",
+    "const int b = (i - tb) & 1;",
+    "ptx::bar_sync(kWgBarFull0 + b, kWgThreads);",
+    "if (i + 2 < te) ptx::bar_arrive(kWgBarEmpty0 + b, kWgThreads);",
+    # the decoders
     "const int c = 8 * qq + 2 * jb + jc;  // 16-value chunk of the row",
     "const uint4 v = raw.v[2 * jb + jc];",
     "st_shared_v4(sK + wg_off(r, 2 * c + 1), o[0], o[1], o[2], o[3]);",
     "const uint32_t sw = jc < 2 ? raw.sc.x : raw.sc.y;",
     "const uint32_t f1 = dq::nvfp4_factor(static_cast<uint8_t>(sw >> (16 * (jc & 1) + 8)));",
     "st_shared_v4(sK + wg_off(r, 4 * c + 3), o[0], o[1], o[2], o[3]);",
-    "const int r_ld = tid & 63, qq_ld = tid >> 6;",
+    # consumers
     "const uint32_t kofs = (ks >> 2) * kWgBlockBytes + (ks & 3) * 32;",
     "wgmma::m64n32k16_ss(s_acc, wgmma::desc_sw128(sQ + kofs, 16, 1024),",
     "wgmma::desc_sw128(sK + skey0 * 128 + kofs, 16, 1024), 1);",
@@ -129,6 +157,18 @@ _TRANSCRIBED_WGMMA = [
     "const int dim = 8 * (32 * wg + j) + 2 * qd;",
 ]
 
+# The shared-memory constants the emulator hard-codes, as config.h defines them.
+_CONFIG_WGMMA = [
+    "constexpr int kWgProducerThreads = 128;",
+    "constexpr int kWgBlockBytes = kHeadsPerCta * 128;",
+    "constexpr int kWgStageOff = kKBytes / 2;",
+    "constexpr int kWgScaleBytes = kTileKeys * 32;",
+    "constexpr int kWgOffK0 = kWgOffQ + kQBytes;",
+    "constexpr int kWgOffK1 = kWgOffK0 + kKBytes;",
+    "constexpr int kWgOffP = kWgOffK1 + kKBytes;",
+    "constexpr int kWgOffScales0 = kWgOffP + kPBytes;",
+]
+
 
 def test_wgmma_emulator_tracks_the_kernel_source():
     from pathlib import Path
@@ -137,6 +177,9 @@ def test_wgmma_emulator_tracks_the_kernel_source():
     src = (root / "csrc" / "cuda" / "attention_wgmma.cu").read_text()
     missing = [e for e in _TRANSCRIBED_WGMMA if e not in src]
     assert not missing, f"attention_wgmma.cu changed; update tests/ops/attention_wgmma_emulator.py: {missing}"
+    cfg = (root / "include" / "dsv41" / "attention" / "config.h").read_text()
+    missing = [e for e in _CONFIG_WGMMA if e not in cfg]
+    assert not missing, f"attention/config.h changed; update tests/ops/attention_wgmma_emulator.py: {missing}"
     # the descriptor packing the emulator decodes is the header's
     hdr = (root / "include" / "dsv41" / "cuda" / "wgmma.h").read_text()
     assert "(static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (uint64_t{1} << 62);" in hdr

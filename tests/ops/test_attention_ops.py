@@ -194,14 +194,58 @@ def test_candidate_blocks_keep_the_newest_block_and_the_best_blocks(gen):
                                                     n_blocks)
 
 
+@pytest.mark.parametrize("op", ["sparse", "dense"])
+def test_bf16_q_gives_bf16_out_and_float32_lse(gen, op):
+    """bf16 q: the result of the same q values in float32, out rounded to bf16 once (no
+    bf16 arithmetic inside), lse float32; checked against the float64 loop too."""
+    T, H, D, W, K, ns, ng = 4, 3, 64, 8, 12, 10, 20
+    sv, ss, kc, ks = _pools(gen, ns, ng, D)
+    q = torch.randn(T, H, D, generator=gen).to(torch.bfloat16)
+    sidx, kidx = _random_idx(gen, T, W, ns), _random_idx(gen, T, K, ng)
+    sidx[1] = -1
+    kidx[1] = -1  # a query without any valid key: out = 0 in bf16 too
+    sink = torch.randn(H, generator=gen)
+    scale = D ** -0.5
+    if op == "sparse":
+        run = lambda qq: ops.sparse_attention(qq, sv, ss, sidx, kc, ks, kidx, sink, scale)  # noqa: E731
+        want, want_lse = _expected(q.float(), fref.dequantize_fp8_swa(sv, ss), fref.dequantize_nvfp4(kc, ks),
+                                   sidx, kidx, sink, scale)
+    else:
+        vis = torch.tensor([3, 0, 20, 13])
+        run = lambda qq: ops.dense_attention(qq, sv, ss, sidx, kc, ks, vis, sink, scale)  # noqa: E731
+        want = want_lse = None
+    out, lse = run(q)
+    out32, lse32 = run(q.float())
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and out.shape == (T, H, D)
+    assert torch.equal(out, out32.to(torch.bfloat16)) and torch.equal(lse, lse32)
+    assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
+    if want is not None:  # rounding to bf16 is the only error: half an ulp (2^-8 relative)
+        torch.testing.assert_close(out.double(), want, rtol=2 ** -8, atol=1e-6)
+        torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_q_under_fake_tensors(gen):
+    """The fake kernels give the real kernels' dtypes (out: q's, lse: float32)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sv, ss, kc, ks = _pools(gen, 6, 5, 32)
+    sidx, kidx = _random_idx(gen, 3, 4, 6), _random_idx(gen, 3, 2, 5)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(3, 2, 32, dtype=torch.bfloat16)
+        out, lse = torch.ops.dsv41.sparse_attention(q, sv, ss, sidx, kc, ks, kidx, torch.zeros(2), 0.5)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
 def test_bad_arguments_get_clear_errors(gen):
     sv, ss, kc, ks = _pools(gen, 4, 4, 64)
     q = torch.randn(2, 2, 64)
     sidx = torch.zeros(2, 3, dtype=torch.int32)
     kidx = torch.zeros(2, 3, dtype=torch.int32)
     sink = torch.zeros(2)
-    with pytest.raises(TypeError, match="q must be torch.float32"):
+    with pytest.raises(TypeError, match="q must be torch.float32 or torch.bfloat16, got torch.float64"):
         ops.sparse_attention(q.double(), sv, ss, sidx, kc, ks, kidx, sink, 1.0)
+    with pytest.raises(TypeError, match="q must be torch.float32 or torch.bfloat16, got torch.float16"):
+        ops.sparse_attention(q.half(), sv, ss, sidx, kc, ks, kidx, sink, 1.0)
     with pytest.raises(TypeError, match="kv_idx must be torch.int32"):
         ops.sparse_attention(q, sv, ss, sidx, kc, ks, kidx.long(), sink, 1.0)
     with pytest.raises(IndexError, match=r"kv_idx holds 4, outside \[-1, 4\)"):
@@ -228,6 +272,9 @@ def test_ops_pass_opcheck(gen):
     sidx, kidx = _random_idx(gen, 3, 4, 6), _random_idx(gen, 3, 2, 5)
     torch.library.opcheck(torch.ops.dsv41.sparse_attention,
                           (q, sv, ss, sidx, kc, ks, kidx, torch.zeros(2), 0.5),
+                          test_utils=_OPCHECK)
+    torch.library.opcheck(torch.ops.dsv41.sparse_attention,
+                          (q.to(torch.bfloat16), sv, ss, sidx, kc, ks, kidx, torch.zeros(2), 0.5),
                           test_utils=_OPCHECK)
     torch.library.opcheck(torch.ops.dsv41.dense_attention,
                           (q, sv, ss, sidx, kc, ks, torch.tensor([0, 2, 5]), torch.zeros(2), 0.5),

@@ -141,6 +141,19 @@ def test_generic_kernel(gen, monkeypatch, attention_impl):
     _check(attention_inputs(gen, 2), "generic, real shape")
 
 
+def test_bf16_q_gives_bf16_out(gen):
+    """bf16 q at the op: bf16 out = the float32-q result rounded once, lse float32."""
+    args = attention_inputs(gen, 5, W=70, K=300, Ns=90, Ng=400)
+    args["q"] = args["q"].to(torch.bfloat16)
+    out, lse = _run(args)
+    args32 = dict(args, q=args["q"].float())
+    out32, lse32 = _run(args32)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.equal(out, out32.to(torch.bfloat16)) and torch.equal(lse, lse32)
+    ref_out, _ = reference().sparse_attention(*args32.values())
+    torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-3)
+
+
 def test_rejects_bad_arguments(gen):
     if DEVICE == "cpu":
         pytest.skip("argument checks of the CUDA binding")

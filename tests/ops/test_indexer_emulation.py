@@ -9,12 +9,23 @@ import torch
 
 from dsv41 import formats
 
-from .attention_emulator import G, LANES, Q, Smem, bf16_bits, ldmatrix_x4, mma
+from .attention_emulator import G, LANES, Q, Smem, bf16_bits, bits_bf16, ldmatrix_x4, mma
 
 
 def _pairs(vals8):  # 8 natural-order values -> 4 (i, i+4) bf16 pairs as uint32
     h = bf16_bits(np.stack([vals8[:4], vals8[4:]], 1).reshape(-1)).astype(np.uint32)
     return h[0::2] | (h[1::2] << 16)
+
+
+def _smem_q_check(sm, rows):  # the natural-order q rows back out of the swizzled pair layout
+    out = np.zeros((rows, 128), np.float32)
+    for r in range(rows):
+        for grp in range(16):
+            a = r * 256 + ((grp ^ (r & 7)) << 4)
+            h = sm.b[a:a + 16].view(np.uint16)
+            v = np.asarray(bits_bf16(h), np.float32)
+            out[r, 8 * grp:8 * grp + 4], out[r, 8 * grp + 4:8 * grp + 8] = v[0::2], v[1::2]
+    return out
 
 
 def emulate(q_codes, q_scales, w, k_codes, k_scales, key0=0, idx=None):
@@ -25,10 +36,18 @@ def emulate(q_codes, q_scales, w, k_codes, k_scales, key0=0, idx=None):
     n_cols = idx.shape[1] if idx is not None else N
     sm = Smem()
     rows = T * Hi
-    for r in range(rows):
-        for grp in range(16):
-            words = _pairs(qv.reshape(rows, 128)[r, 8 * grp:8 * grp + 8])
+    codes = q_codes.reshape(rows, 64)
+    scales = q_scales.view(torch.uint8).reshape(rows, 4)
+    for u in range(rows * 4):  # the kernel's q items: one 32-value block (16 code bytes, one scale)
+        r, blk = divmod(u, 4)
+        block = codes[r, 16 * blk:16 * blk + 16]
+        vals = formats.dequantize_mxfp4(block[None].contiguous(), scales[r, blk:blk + 1][None].contiguous())
+        vals = vals.numpy().reshape(32)
+        for x in range(4):  # word x of the 16-byte load = group 4 blk + x
+            grp = 4 * blk + x
+            words = _pairs(vals[8 * x:8 * x + 8])
             sm.b[r * 256 + ((grp ^ (r & 7)) << 4): r * 256 + ((grp ^ (r & 7)) << 4) + 16] = words.view(np.uint8)
+    assert np.array_equal(qv.reshape(rows, 128), _smem_q_check(sm, rows)), "q items cover every group once"
     out = np.full((T, n_cols), np.nan, np.float32)
     for warp in range(8):
         kbase = key0 + warp * 16
@@ -101,3 +120,24 @@ def test_emulated_indexer_scores_at():
     assert np.array_equal(np.isneginf(got[0]), np.isneginf(want))
     fin = np.isfinite(want)
     np.testing.assert_allclose(got[0][fin], want[fin], rtol=1e-5, atol=1e-6)
+
+
+# The kernel's q-decode expressions the emulator transcribes (drift guard).
+_TRANSCRIBED_Q = [
+    "for (int u = tid; u < rows * (kGroups / 4); u += kThreads) {",
+    "const int r = u / (kGroups / 4), blk = u - r * (kGroups / 4);",
+    "const uint8_t* c = p.q_codes + qrow * (kDi / 2) + 16 * blk;",
+    "w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;",
+    "const dq::Pow2Factor f = dq::ue8m0_factor(p.q_scales[qrow * (kDi / 32) + blk], dq::kE2M1PatternBias);",
+    "const int grp = 4 * blk + x;",
+    "dq::mxfp4_group8(w[x], f, o);",
+    "ptx::st_shared_v4(sQ + r * 256 + ((grp ^ (r & 7)) << 4), o[0], o[1], o[2], o[3]);",
+]
+
+
+def test_emulator_tracks_the_q_decode():
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parents[2] / "csrc" / "cuda" / "indexer.cu").read_text()
+    missing = [e for e in _TRANSCRIBED_Q if e not in src]
+    assert not missing, f"indexer.cu changed; update tests/ops/test_indexer_emulation.py: {missing}"

@@ -54,25 +54,57 @@ constexpr int kMinTilesPerSplit = 2;
 constexpr int kMaxSplits = 32;
 
 // ---- wgmma kernel (sm_90a: attention_wgmma.cu) -------------------------------------------
-// Same CTA work as the mma.sync kernel (one query x 64 heads x one key split, 64-key tiles)
-// with two warpgroups: S = Q K^T by wgmma m64n32k16 (warpgroup g: keys 32g..), O += P V by
-// wgmma m64n256k16 (warpgroup g: dims 256g..), A and B read from shared memory through
-// descriptors. Tiles are 128-byte-swizzled K-major: [D/64 blocks][64 rows][128 B], chunk c
-// of row r at (c ^ (r & 7)); the K tile, read K-major for S, is read MN-major (transposed)
-// as V. Two K buffers: the next tile is loaded from global memory and dequantized while the
-// S wgmma of this one runs (wgmma is asynchronous); no raw staging buffers.
-constexpr int kWgThreads = 256;                        // 2 warpgroups
+// Same CTA work as the mma.sync kernel (one query x 64 heads x one key split, 64-key tiles),
+// warp-specialized: two consumer warpgroups run S = Q K^T by wgmma m64n32k16 (warpgroup g:
+// keys 32g..) and O += P V by wgmma m64n256k16 (warpgroup g: dims 256g..), A and B read from
+// shared memory through descriptors; one producer warpgroup gathers the next tile's stored
+// bytes with cp.async and dequantizes them into the other K buffer meanwhile. Tiles are
+// 128-byte-swizzled K-major: [D/64 blocks][64 rows][128 B], chunk c of row r at (c ^ (r & 7));
+// the K tile, read K-major for S, is read MN-major (transposed) as V.
+//
+// Shared memory: Q + two bf16 K buffers take 192 KiB of the 227 KiB, which leaves no room
+// for a separate raw tile (FP8: 33 KiB). The raw values of tile j are therefore staged in
+// the upper half of the K buffer that will hold tile j (blocks 4..7, dims 256..511): the
+// producer decodes dims 0..255 first (they land in blocks 0..3, below the stage), then reads
+// its share of dims 256..511 into registers, waits for the whole producer warpgroup, and
+// only then writes over the stage. The scales (at most 2 KiB a tile) have their own two
+// buffers.
+constexpr int kWgConsumerThreads = 256;                // warpgroups 0, 1: the MMAs
+constexpr int kWgProducerThreads = 128;                // warpgroup 2: cp.async + dequant
+constexpr int kWgThreads = kWgConsumerThreads + kWgProducerThreads;
+// setmaxnreg budgets (the launch gives 168 to every thread): the smallest producer budget
+// with which ptxas (CUDA 13.0, -Xptxas -v) reports no spills in either role; 192 * 256 +
+// 112 * 128 = 63488 of the 65536 registers.
+constexpr int kWgConsumerRegs = 192;
+constexpr int kWgProducerRegs = 112;
+static_assert(kWgConsumerRegs * kWgConsumerThreads + kWgProducerRegs * kWgProducerThreads <= 65536 &&
+                  kWgConsumerRegs % 8 == 0 && kWgProducerRegs % 8 == 0, "register file");
 constexpr int kWgBlockBytes = kHeadsPerCta * 128;      // 8192: one 64-dim block of a tile
+constexpr int kWgStageOff = kKBytes / 2;               // raw values of the next tile: blocks 4..7
+constexpr int kWgScaleBytes = kTileKeys * 32;          // 2048: NVFP4 64 x 32 B (FP8: 64 x 16 B)
+static_assert(kRawFp8Values <= kKBytes - kWgStageOff && kRawNvfp4Codes <= kKBytes - kWgStageOff,
+              "the raw values of a tile fit the upper half of a K buffer");
 constexpr int kWgOffQ = 0;                             // 65536
 constexpr int kWgOffK0 = kWgOffQ + kQBytes;            // 65536 each
 constexpr int kWgOffK1 = kWgOffK0 + kKBytes;
 constexpr int kWgOffP = kWgOffK1 + kKBytes;            // bf16 P [64][64]: one 128-byte-swizzled block
-constexpr int kWgOffStats = kWgOffP + kPBytes;
+constexpr int kWgOffScales0 = kWgOffP + kPBytes;       // [2][kWgScaleBytes]
+constexpr int kWgOffStats = kWgOffScales0 + 2 * kWgScaleBytes;
 constexpr int kWgOffIdx = kWgOffStats + kStatFloats * 4;
 constexpr int kWgOffMisc = kWgOffIdx + kMaxKeys * 4;
-constexpr int kWgSmemBytes = kWgOffMisc + kMiscInts * 4 + 1024;  // + slack to align the base to 1024
+constexpr int kWgSmemBytes = kWgOffMisc + kMiscInts * 4 + 1024;  // 228160 with the slack to align the base to 1024
 static_assert(kWgSmemBytes <= 232448, "wgmma attention tile does not fit Hopper shared memory");
 static_assert(kWgOffK0 % 1024 == 0 && kWgOffK1 % 1024 == 0 && kWgOffP % 1024 == 0, "swizzle atoms 1024-aligned");
+static_assert(kWgThreads / 32 <= kMiscInts, "compaction scratch: one int per warp");
+
+// Named barriers of the wgmma kernel (0 is __syncthreads). FULL[b]: the producer's bar.arrive
+// + the consumers' bar.sync (all 384 threads) hand a decoded tile in K buffer b over;
+// EMPTY[b]: the consumers' bar.arrive after their P V wgmma + the producer's bar.sync hand
+// the buffer back. CONSUMERS and PRODUCER sync one side only.
+constexpr int kWgBarConsumers = 1;
+constexpr int kWgBarFull0 = 2;   // + b
+constexpr int kWgBarEmpty0 = 4;  // + b
+constexpr int kWgBarProducer = 6;
 
 // ---- Generic kernel (fp32, any H, D % 32 == 0, D <= 1024) ---------------------------------
 constexpr int kGenericThreads = 128;  // 4 warps, one (query, head) per warp

@@ -87,6 +87,18 @@ __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
   return v;
 }
 
+// Named CTA barriers (bar.sync / bar.arrive with an id and a thread count, a multiple of
+// 32). A barrier completes when `count` threads have arrived; bar.arrive does not wait, so
+// a producer can signal consumers (and the reverse) without stopping. Id 0 is
+// __syncthreads'. Both order the shared-memory accesses made before them for the threads
+// that wait on the barrier.
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
 __device__ __forceinline__ uint32_t lanemask_lt() {
   uint32_t m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));

@@ -31,7 +31,7 @@ def _same_device(op, **tensors):
 
 def check_attention(op, q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_sel, sink,
                     *, dense: bool):
-    _tensor(op, "q", q, (torch.float32,), 3)
+    _tensor(op, "q", q, (torch.float32, torch.bfloat16), 3)
     T, H, D = q.shape
     if D % FP8_SWA.block:
         _fail(op, f"head dim {D} must be a multiple of {FP8_SWA.block} (FP8 SWA blocks)")

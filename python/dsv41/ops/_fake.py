@@ -65,7 +65,8 @@ def _register_attention_fakes() -> None:
                                     swa_values, swa_scales, swa_idx, kv_codes, kv_scales,
                                     kv_sel, sink, dense=dense)
             T, H, D = q.shape
-            return q.new_empty((T, H, D)), q.new_empty((T, H))
+            # out in q's dtype (float32 or bfloat16), lse always float32 (reference.py)
+            return q.new_empty((T, H, D)), q.new_empty((T, H), dtype=torch.float32)
         return fake
 
     def scores_fake(q_codes, q_scales, weights, k_codes, k_scales):

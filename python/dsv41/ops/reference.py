@@ -39,6 +39,11 @@ def _query_block(per_query: int) -> int:
     return max(1, _BLOCK_ELEMS // max(1, per_query))
 
 
+def _out_dtype(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The attention output in q's dtype: float32 stays, bf16 q gets out rounded to bf16."""
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
 def _dequant_swa(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if values.shape[0] == 0:
         return values.new_zeros(values.shape, dtype=torch.float32)
@@ -97,22 +102,23 @@ def sparse_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv
                      softmax_scale: float):
     """One softmax per query over its valid SWA slots and valid selected global entries.
 
-    q [T,H,D] f32; swa_values [Ns,D] float8_e4m3fn + swa_scales [Ns,D/32] UE8M0 (uint8);
+    q [T,H,D] f32 or bf16; swa_values [Ns,D] float8_e4m3fn + swa_scales [Ns,D/32] UE8M0 (uint8);
     swa_idx [T,W] int32 rows of the SWA buffer (-1 = empty); kv_codes [Ng,D/2] uint8 +
     kv_scales [Ng,D/16] float8_e4m3fn (NVFP4); kv_idx [T,K] int32 rows of the global pool
     (-1 = empty); sink [H] f32. MQA: every head reads the same entry as key and value.
 
-    Returns out [T,H,D] f32 (already multiplied by the sink factor
+    Returns out [T,H,D] (already multiplied by the sink factor
     exp(lse) / (exp(lse) + exp(sink_h))) and lse [T,H] f32, the log-sum-exp of the scaled
     scores of the valid keys without the sink. A query with no valid key gets out = 0 and
-    lse = -inf.
+    lse = -inf. out has q's dtype: a bf16 q is computed with like a float32 one (its values
+    widened, float64 arithmetic) and only out is rounded to bf16 at the end; lse stays f32.
     """
     T, H, D = q.shape
     W, K = swa_idx.shape[1], kv_idx.shape[1]
     out = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
     lse = torch.full((T, H), -math.inf, dtype=torch.float32, device=q.device)
     if T == 0 or W + K == 0:
-        return out, lse
+        return _out_dtype(out, q), lse
     swa = _Rows(_dequant_swa, swa_values, swa_scales, T * W)
     kv = _Rows(_dequant_kv, kv_codes, kv_scales, T * K)
     sink64 = sink.double()
@@ -125,7 +131,7 @@ def sparse_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv
         o, l = _softmax_out(scores, valid, keys)
         out[t0:t1] = apply_sink(o, l, sink64).float()
         lse[t0:t1] = l.float()
-    return out, lse
+    return _out_dtype(out, q), lse
 
 
 def dense_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_visible, sink,
@@ -138,7 +144,7 @@ def dense_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_
     lse = torch.full((T, H), -math.inf, dtype=torch.float32, device=q.device)
     n = int(kv_visible.max().clamp(min=0, max=kv_codes.shape[0])) if T else 0
     if T == 0 or W + n == 0:
-        return out, lse
+        return _out_dtype(out, q), lse
     swa = _Rows(_dequant_swa, swa_values, swa_scales, T * W)
     kv = _dequant_kv(kv_codes[:n], kv_scales[:n]).double()
     cols = torch.arange(n, device=q.device)
@@ -162,7 +168,7 @@ def dense_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_
         l = torch.where(denom > 0, m[..., 0] + torch.log(denom), -math.inf)
         out[t0:t1] = apply_sink(o, l, sink64).float()
         lse[t0:t1] = l.float()
-    return out, lse
+    return _out_dtype(out, q), lse
 
 
 def _weighted_relu_sum(dots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
