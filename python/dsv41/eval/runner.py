@@ -85,13 +85,16 @@ class Backend(Protocol):
 
 
 class Progress:
-    """A one-line progress bar on stderr (units of engine requests)."""
+    """A one-line progress bar on stderr (units of engine requests by default; the
+    training loop counts steps, the accuracy tool prompts)."""
 
-    def __init__(self, total: int, stream=None, enabled: bool = True):
+    def __init__(self, total: int, stream=None, enabled: bool = True, *, unit: str = "runs",
+                 label_width: int = 60):
         self.total, self.done, self.t0 = max(total, 1), 0, time.perf_counter()
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.label = ""
+        self.unit, self.label_width = unit, label_width
 
     def advance(self, n: int, label: str = "") -> None:
         self.done += n
@@ -102,7 +105,9 @@ class Progress:
         el = time.perf_counter() - self.t0
         eta = el / frac - el if frac > 0 else 0.0
         bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-        self.stream.write(f"\r[{bar}] {self.done}/{self.total} runs {el:5.0f}s eta {eta:5.0f}s  {self.label[:60]:<60}")
+        w = self.label_width
+        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {self.unit} {el:5.0f}s eta {eta:5.0f}s  "
+                          f"{self.label[:w]:<{w}}")
         self.stream.flush()
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
-"""Task accuracy of a model on held-out prompts: full prefill, greedy, through the
-serving forward (`Model.prefill` / `decode_step`, so with the stored KV formats unless the
-model was loaded with kv_dtype="float32"), scored by the task's own scorer.
+"""Task accuracy of a model on held-out prompts: full prefill, greedy, through the engine
+with no cache (the serving forward, so with the stored KV formats unless the model was
+loaded with kv_dtype="float32"), scored by the task's own scorer.
 
     python -m dsv41.train.accuracy [--model v41-tiny-tasks] [--n 100] [--json OUT]
 
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ..eval.runner import Progress
 from ..eval.tasks import TASKS
 from ..eval.tokenizer import EOS, CharTokenizer
 from .data import held_out
@@ -24,17 +25,12 @@ from .data import held_out
 __all__ = ["greedy", "task_accuracy", "wilson"]
 
 
-def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy output of a full prefill of prompt (stops after EOS)."""
-    state = model.new_state()
-    logits = model.prefill(prompt, state)
-    out: list[int] = []
-    while True:
-        tok = int(torch.argmax(logits))
-        out.append(tok)
-        if tok == EOS or len(out) >= max_new_tokens:
-            return out
-        logits = model.decode_step(tok, state)
+def greedy(model, prompt: list[int], max_new_tokens: int, engine=None) -> list[int]:
+    """Greedy output of a full prefill of prompt, stopping after EOS: `Engine.generate`
+    with no cache (pass `engine` to reuse one)."""
+    from ..engine import Engine, SamplingParams
+    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=(EOS,))
+    return (engine or Engine(model)).generate([prompt], sp)[0].output_tokens
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -55,9 +51,11 @@ def task_accuracy(model, task: str, n: int, *, context_len: int, placement: str,
     kw = {} if seed is None else {"seed": seed}
     examples = held_out(tok, task, n, context_len=context_len, window=model.config.sliding_window,
                         placement=placement, suffix=suffix, **kw)
+    from ..engine import Engine
+    engine = Engine(model)
     ok = 0
     for i, ex in enumerate(examples):
-        out = greedy(model, ex.tokens[:ex.prompt_len], max_new_tokens)
+        out = greedy(model, ex.tokens[:ex.prompt_len], max_new_tokens, engine)
         ok += bool(TASKS[task].score(ex.answer, [tok.decode(out)])["success"])
         if progress:
             progress(i + 1, n)
@@ -86,13 +84,15 @@ def main(argv=None) -> int:
     t0 = time.time()
     combos = [(t, int(c), p) for t in args.tasks.split(",") for c in args.contexts.split(",")
               for p in args.placements.split(",")]
-    for j, (task, ctx, place) in enumerate(combos):
-        def bar(i, n, j=j):
-            sys.stderr.write(f"\r[{j + 1}/{len(combos)}] {task} ctx {ctx} {place}: {i}/{n} ")
-            sys.stderr.flush()
-        r = task_accuracy(model, task, args.n, context_len=ctx, placement=place, progress=bar)
+    bar = Progress(len(combos) * args.n, unit="prompts")
+    for task, ctx, place in combos:
+        r = task_accuracy(model, task, args.n, context_len=ctx, placement=place,
+                          progress=lambda i, n, label=f"{task} ctx {ctx} {place}": bar.advance(1, label))
         rows.append(r)
-        sys.stderr.write(f"-> {r['rate']:.3f} {r['ci95']}\n")
+    bar.close()
+    for r in rows:
+        sys.stderr.write(f"{r['task']} ctx {r['context']} {r['placement']}: {r['success']}/{r['n']} "
+                         f"-> {r['rate']:.3f} {r['ci95']}\n")
     per_task = {}
     for task in args.tasks.split(","):
         k = sum(r["success"] for r in rows if r["task"] == task)

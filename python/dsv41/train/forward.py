@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..config import MODE_FULL, MODE_REINDEX, ModelConfig
 from ..model.indexer import hadamard
+from ..model.layers import rms_normalize
 from ..ops import reference as ref_ops
 
 __all__ = ["ForwardOutput", "check_trainable", "train_forward", "balance_bias"]
@@ -73,12 +74,8 @@ def _lin(x: torch.Tensor, mod, dtype) -> torch.Tensor:
     return torch.matmul(x, _w(mod.weight, dtype).T)
 
 
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-
-
 def _norm(x: torch.Tensor, mod, dtype) -> torch.Tensor:
-    return _rms(x, mod.eps) * _w(mod.weight, dtype)
+    return rms_normalize(x, mod.eps) * _w(mod.weight, dtype)
 
 
 def _rope(rope, x: torch.Tensor, pos: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
@@ -189,7 +186,7 @@ def train_forward(model, tokens: torch.Tensor, *, dense: bool = False,
         p, attn = block.attn.plan, block.attn
         x = _norm(h, block.attn_norm, dtype)
         qr = _norm(_lin(x, attn.wq_a, dtype), attn.q_norm, dtype)
-        q = _rms(_lin(qr, attn.wq_b, dtype).view(B, T, c.num_heads, c.head_dim), c.rms_norm_eps)
+        q = rms_normalize(_lin(qr, attn.wq_b, dtype).view(B, T, c.num_heads, c.head_dim), c.rms_norm_eps)
         q = _rope(attn.rope, q, pos)
         swa = _rope(attn.rope, _norm(_lin(x, attn.wkv, dtype), attn.kv_norm, dtype), pos)
         if fake_quant:

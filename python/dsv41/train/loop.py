@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..eval.runner import Progress
 from ..eval.tokenizer import CharTokenizer
 from ..model import Model
 from .data import HELD_OUT_SEED, Example, collate, held_out, random_example
@@ -94,22 +94,6 @@ def answer_accuracy(model: Model, examples: list[Example], *, batch: int = 32) -
     return {"exact": exact / len(examples), "token": tokens_ok / max(1, tokens_all)}
 
 
-class _Bar:
-    def __init__(self, total: int, stream=None):
-        self.total, self.stream, self.t0 = total, stream or sys.stderr, time.time()
-
-    def __call__(self, step: int, text: str) -> None:
-        frac = step / self.total
-        elapsed = time.time() - self.t0
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
-        bar = "#" * int(30 * frac)
-        self.stream.write(f"\rtrain [{bar:<30}] {100 * frac:5.1f}% {step}/{self.total} "
-                          f"{text} eta {eta / 60:4.1f} min ")
-        self.stream.flush()
-        if step >= self.total:
-            self.stream.write("\n")
-
-
 def _batches(recipe: Recipe, rng: random.Random, tok: CharTokenizer, window: int):
     """Batches of similar length (less padding): draw 8 batches' worth, sort, split."""
     while True:
@@ -153,7 +137,7 @@ def train(recipe: Recipe, out: str | Path, *, progress: bool = True) -> dict:
         (out / "recipe.init.json").write_text((Path(recipe.init) / "recipe.json").read_text())
     log_path = out / "train_log.jsonl"
     log = log_path.open("w")
-    bar = _Bar(recipe.steps) if progress else None
+    bar = Progress(recipe.steps, enabled=progress, unit="steps", label_width=80)
     t0 = time.time()
     batches = _batches(recipe, rng, tok, W)
     ema = None
@@ -187,11 +171,11 @@ def train(recipe: Recipe, out: str | Path, *, progress: bool = True) -> dict:
             rec["held_out"] = {task: answer_accuracy(model, ex) for task, ex in held.items()}
         log.write(json.dumps(rec) + "\n")
         log.flush()
-        if bar:
-            ho = rec.get("held_out")
-            extra = "" if not ho else " held-out " + " ".join(
-                f"{t[:4]} {v['exact']:.2f}" for t, v in ho.items())
-            bar(step + 1, f"loss {ema[0]:.3f} acc {ema[1]:.3f} kl {kl.item():.3f}{extra}")
+        ho = rec.get("held_out")
+        extra = "" if not ho else " held-out " + " ".join(
+            f"{t[:4]} {v['exact']:.2f}" for t, v in ho.items())
+        bar.advance(1, f"loss {ema[0]:.3f} acc {ema[1]:.3f} kl {kl.item():.3f}{extra}")
+    bar.close()
     log.close()
     for p in params:
         p.requires_grad_(False)
