@@ -401,7 +401,8 @@ void bind_io(py::module_& parent) {
       });
 
   py::class_<IoEngine, std::shared_ptr<IoEngine>>(m, "IoEngine")
-      .def(py::init<int, uint64_t>(), py::arg("threads"), py::arg("chunk_bytes") = uint64_t(4) << 20)
+      .def(py::init<int, uint64_t, int>(), py::arg("threads"), py::arg("chunk_bytes") = uint64_t(4) << 20,
+           py::arg("write_depth") = 2)
       .def_property_readonly("threads", &IoEngine::threads)
       .def("open",
            [](IoEngine& e, const std::string& path, int flags, int mode, bool direct) {
@@ -419,6 +420,24 @@ void bind_io(py::module_& parent) {
            "ops: [(fd, offset, length, buffer, buffer_offset[, crc_ranges])] -> [(bytes_read, errno[, crcs])]")
       .def("pwrite", [](IoEngine& e, const py::list& ops) { return run_ops(e, ops, true); },
            "ops: [(fd, offset, length, buffer, buffer_offset)] -> [(bytes_written, errno)]")
+      .def("submit_write",
+           [](IoEngine& e, int fd, uint64_t offset, const py::buffer& buf, uint64_t buf_offset,
+              uint64_t length) {
+             ByteView v = byte_view(buf, false);
+             if (buf_offset > v.size || length > v.size - buf_offset)
+               throw std::invalid_argument("write of " + std::to_string(length) + " bytes at buffer offset " +
+                                           std::to_string(buf_offset) + " overruns a buffer of " +
+                                           std::to_string(v.size) + " bytes");
+             return e.submit_write(fd, offset, v.ptr + buf_offset, length);
+           },
+           py::arg("fd"), py::arg("offset"), py::arg("buf"), py::arg("buf_offset"), py::arg("length"),
+           "queues one write for the engine's writer threads -> ticket (keep buf alive until wait_write)")
+      .def("wait_write",
+           [](IoEngine& e, uint64_t ticket) {
+             py::gil_scoped_release nogil;
+             return e.wait_write(ticket);
+           },
+           py::arg("ticket"), "waits for a submit_write -> (bytes_written, errno)")
       .def("read_records", &read_records, py::arg("ops"), py::arg("tokens"), py::arg("key"), py::arg("dst"),
            py::arg("payload_bytes"),
            "verified record reads: each worker checks (and copies out) the records of the op it read")

@@ -110,8 +110,86 @@ void ThreadPool::parallel_for(size_t n, const std::function<void(size_t)>& fn) {
 
 // ---- IoEngine ---------------------------------------------------------------------------
 
-IoEngine::IoEngine(int threads, uint64_t chunk_bytes)
-    : pool_(threads), chunk_bytes_(std::max<uint64_t>(align_up(chunk_bytes), kAlign)) {}
+IoEngine::IoEngine(int threads, uint64_t chunk_bytes, int write_depth)
+    : pool_(threads),
+      chunk_bytes_(std::max<uint64_t>(align_up(chunk_bytes), kAlign)),
+      write_depth_(std::max(1, write_depth)) {}
+
+IoEngine::~IoEngine() {
+  {
+    std::lock_guard<std::mutex> lock(wmu_);
+    wstop_ = true;
+  }
+  wq_cv_.notify_all();
+  for (auto& t : writers_) {
+    if (writers_pid_ == getpid()) {
+      t.join();  // they finish what was queued first
+    } else {
+      t.detach();  // a forked child's copy: that thread is not in this process
+    }
+  }
+}
+
+uint64_t IoEngine::submit_write(int fd, uint64_t offset, const uint8_t* buf, uint64_t length) {
+  std::lock_guard<std::mutex> lock(wmu_);
+  if (writers_pid_ != getpid()) {  // first use, or in a forked child: its own threads
+    for (auto& t : writers_) t.detach();
+    writers_.clear();
+    writers_pid_ = getpid();
+    for (int i = 0; i < write_depth_; ++i) writers_.emplace_back([this] { write_worker(); });
+  }
+  QueuedWrite w;
+  w.ticket = next_ticket_++;
+  w.op.fd = fd;
+  w.op.offset = offset;
+  w.op.length = length;
+  w.op.buf = const_cast<uint8_t*>(buf);
+  const uint64_t ticket = w.ticket;
+  wopen_.insert(ticket);
+  wq_.push_back(std::move(w));
+  wq_cv_.notify_one();
+  return ticket;
+}
+
+void IoEngine::write_worker() {
+  for (;;) {
+    QueuedWrite w;
+    {
+      std::unique_lock<std::mutex> lock(wmu_);
+      wq_cv_.wait(lock, [this] { return wstop_ || !wq_.empty(); });
+      if (wq_.empty()) return;  // stopping, and nothing left to write
+      w = std::move(wq_.front());
+      wq_.pop_front();
+    }
+    int err = 0;
+    uint64_t done = 0;
+    if (w.op.fd < 0) {
+      err = EBADF;
+    } else {
+      Chunk c{&w.op, 0, w.op.length};
+      run_chunk(c, true);
+      done = c.done;
+      err = c.err ? c.err : (c.done < c.length ? EIO : 0);
+    }
+    write_ops_.fetch_add(1);
+    if (err) errors_.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> lock(wmu_);
+      wdone_[w.ticket] = {done, err};
+    }
+    wdone_cv_.notify_all();
+  }
+}
+
+std::pair<uint64_t, int> IoEngine::wait_write(uint64_t ticket) {
+  std::unique_lock<std::mutex> lock(wmu_);
+  if (!wopen_.count(ticket)) return {0, EINVAL};  // never submitted, or waited for already
+  wdone_cv_.wait(lock, [&] { return wdone_.count(ticket) > 0; });
+  const auto r = wdone_[ticket];
+  wdone_.erase(ticket);
+  wopen_.erase(ticket);
+  return r;
+}
 
 int IoEngine::open(const std::string& path, int flags, int mode, bool direct, bool* is_direct) {
   *is_direct = false;

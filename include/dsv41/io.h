@@ -19,6 +19,8 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -119,8 +121,11 @@ struct IoCounters {
 class IoEngine {
  public:
   // `threads` workers; ops larger than `chunk_bytes` are split so one big op still uses
-  // every worker.
-  explicit IoEngine(int threads, uint64_t chunk_bytes = 4u << 20);
+  // every worker. `write_depth` more threads serve submit_write (started on first use).
+  explicit IoEngine(int threads, uint64_t chunk_bytes = 4u << 20, int write_depth = 2);
+  ~IoEngine();
+  IoEngine(const IoEngine&) = delete;
+  IoEngine& operator=(const IoEngine&) = delete;
 
   int threads() const { return pool_.size(); }
 
@@ -145,6 +150,14 @@ class IoEngine {
                    const uint64_t* src_off, size_t n, uint64_t length);
 
   int fsync(int fd);  // fdatasync where the platform has it, else fsync; 0 or -errno
+  // Background writes: submit_write queues one write and returns a ticket at once;
+  // `write_depth` dedicated threads issue the queued writes in order, up to that many at
+  // a time; wait_write(ticket) blocks until that write is done and returns (bytes
+  // written, errno) (errno EIO for a short write). A caller that streams chunks keeps the
+  // disk busy without coming back between writes (from Python: without the GIL). The
+  // buffer must stay alive and unchanged until the ticket is waited for.
+  uint64_t submit_write(int fd, uint64_t offset, const uint8_t* buf, uint64_t length);
+  std::pair<uint64_t, int> wait_write(uint64_t ticket);
 
   // Runs fn(0..n-1) on the engine's threads (the caller helps) and waits.
   void parallel_for(size_t n, const std::function<void(size_t)>& fn) { pool_.parallel_for(n, fn); }
@@ -161,11 +174,27 @@ class IoEngine {
     int err = 0;
   };
   void run_chunk(Chunk& c, bool write);
+  void write_worker();
   int do_io(int fd, uint8_t* buf, uint64_t length, uint64_t offset, bool write, uint64_t* done);
   bool drop_direct(int fd);
 
   ThreadPool pool_;
   uint64_t chunk_bytes_;
+  // submit_write's queue, its threads and the results not yet waited for.
+  struct QueuedWrite {
+    uint64_t ticket;
+    IoOp op;
+  };
+  int write_depth_;
+  std::mutex wmu_;
+  std::condition_variable wq_cv_, wdone_cv_;
+  std::deque<QueuedWrite> wq_;
+  std::unordered_set<uint64_t> wopen_;  // tickets not yet waited for
+  std::unordered_map<uint64_t, std::pair<uint64_t, int>> wdone_;  // ticket -> (done, errno)
+  uint64_t next_ticket_ = 1;
+  bool wstop_ = false;
+  std::vector<std::thread> writers_;
+  int writers_pid_ = 0;  // a forked child inherits writers_ but not the threads
   std::atomic<uint32_t> faults_{0};
   std::atomic<uint64_t> nospace_after_{0};
   std::atomic<bool> direct_io_refused_once_{false};

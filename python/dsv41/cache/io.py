@@ -63,8 +63,8 @@ class OpenFile:
 class IOEngine:
     """A pool of I/O threads; every call blocks until its whole batch is done."""
 
-    def __init__(self, threads: int = 4, chunk_bytes: int = 4 << 20):
-        self._eng = _io.IoEngine(max(1, int(threads)), int(chunk_bytes))
+    def __init__(self, threads: int = 4, chunk_bytes: int = 4 << 20, write_depth: int = 2):
+        self._eng = _io.IoEngine(max(1, int(threads)), int(chunk_bytes), max(1, int(write_depth)))
 
     @property
     def threads(self) -> int:
@@ -88,6 +88,20 @@ class IOEngine:
         [(done, err)] = self._eng.pwrite([(fd, offset, length, buf, buf_offset)])
         if err or done != length:
             err = err or 5  # EIO for a short write without an errno
+            raise OSError(err, os.strerror(err), path)
+
+    def submit_write(self, fd: int, offset: int, buf, buf_offset: int, length: int) -> int:
+        """Queues one write for the engine's writer threads (write_depth of them issue the
+        queue in order, without coming back to Python between writes) and returns a
+        ticket for wait_write. `buf` must stay alive and unchanged until then."""
+        return self._eng.submit_write(fd, offset, buf, buf_offset, length)
+
+    def wait_write(self, ticket: int, length: int, path: str = "") -> None:
+        """Waits for a submit_write; raises OSError (ENOSPC, EIO for a short write, ...)
+        if it did not write all `length` bytes."""
+        done, err = self._eng.wait_write(ticket)
+        if err or done != length:
+            err = err or 5
             raise OSError(err, os.strerror(err), path)
 
     def encode_records(self, buf, specs: list) -> None:
