@@ -2,16 +2,17 @@
 
 1. get / put of block payloads through the remote tier (record encode + CRC-32C on put;
    get + verification of every block on get; deadlines and breaker included) against the
-   backend's raw client moving the same payloads with its best batch call, batch by batch
-   in the same run, both sides alternating who goes first: Mooncake `put_batch` /
-   `get_batch` (the tier's calls), Redis one `MSET` / one `MGET` per batch (the tier's calls
-   for blocks). Both sides start from / end in the same place: puts take the rows of one
-   uint8 [n, P] array (the raw client as memoryviews, or bytes where redis-py packs those
-   into fewer sends), gets deliver one uint8 [n, P] array (the raw client's values joined,
-   the tier's verified rows). Ratios: of the median batch times, of the totals, and the
-   median of each back-to-back pair's ratio (robust to load changes on a shared box).
-   Payloads: global KV blocks exported from a prefill of the model preset (real bytes),
-   and random bytes of one v41-flash block. Target: tier / raw throughput >= 0.8.
+   backend's raw client moving the same payloads, batch by batch in the same run, rotating
+   who goes first. The raw side runs every batch call its client has (Mooncake `put_batch`
+   / `get_batch` on Python buffers and `batch_put_from` / `batch_get_into` on memory
+   registered up front; Redis one `MSET` / one `MGET` per batch) and the baseline of each op
+   is the fastest of them in this run. Both sides start from / end in the same place: puts
+   take the rows of one uint8 [n, P] array, gets deliver one uint8 [n, P] array (the raw
+   client's values joined or read in place, the tier's verified rows). Ratios: of the
+   median batch times, of the totals, and the median of each back-to-back pair's ratio
+   (robust to load changes on a shared box). Payloads: global KV blocks exported from a
+   prefill of the model preset (real bytes), and random bytes of one v41-flash block.
+   Target: tier / raw throughput >= 0.8.
 2. What verification costs: the tier's batch check (chain ids + verify_records) and the
    one-value verify_record on the same values (us per block).
 3. Resume TTFT through the engine: cold prefill vs a resume from the local tiers (global KV
@@ -80,6 +81,54 @@ def _cache(model_config, servers, block, weights_id="bench", **kw) -> PrefixCach
     return c
 
 
+def _alternate(i: int, tier, raws: list) -> None:
+    """Runs batch i of the tier and of each raw method back to back, rotating who goes first."""
+    calls = [tier] + raws
+    k = i % len(calls)
+    for f in calls[k:] + calls[:k]:
+        f()
+
+
+def _raw_ops(scheme: str, raw, payloads: np.ndarray):
+    """({"put": {name: f}, "get": {name: f}}, release): the raw client's batch calls on the
+    payload rows s:e (f(keys, s, e); a get returns the blocks as one uint8 [n, P] array),
+    and what frees their set-up. Mooncake: put_batch / get_batch on Python buffers, and
+    batch_put_from / batch_get_into on memory registered with the client once, up front (its
+    zero-copy path). Redis: one MSET / one MGET (small values as bytes, sent with the
+    command as the tier does; else views of the rows: whichever redis-py moves fastest)."""
+    n, P = payloads.shape
+    if scheme == "redis":
+        value = (lambda row: row.tobytes()) if P <= SMALL_VALUE_BYTES else memoryview
+        return ({"put": {"mset": lambda keys, s, e: raw.mset(dict(zip(keys, (value(payloads[i]) for i in range(s, e)))))},
+                 "get": {"mget": lambda keys, s, e: np.frombuffer(b"".join(raw.mget(keys)), np.uint8).reshape(-1, P)}},
+                lambda: None)
+    src, dst = np.ascontiguousarray(payloads), np.empty_like(payloads)
+    for a in (src, dst):
+        assert raw.register_buffer(a.ctypes.data, a.nbytes) == 0
+
+    def put_batch(keys, s, e):
+        assert raw.put_batch(keys, [memoryview(payloads[i]) for i in range(s, e)]) == 0
+
+    def put_from(keys, s, e):
+        assert all(rc == 0 for rc in raw.batch_put_from(keys, [src.ctypes.data + i * P for i in range(s, e)],
+                                                         [P] * (e - s)))
+
+    def get_batch(keys, s, e):
+        return np.frombuffer(b"".join(raw.get_batch(keys)), np.uint8).reshape(-1, P)
+
+    def get_into(keys, s, e):
+        assert all(got == P for got in raw.batch_get_into(keys, [dst.ctypes.data + i * P for i in range(s, e)],
+                                                          [P] * (e - s)))
+        return dst[s:e]
+
+    def release():
+        for a in (src, dst):
+            raw.unregister_buffer(a.ctypes.data)
+    # Each method gets its own keys, so put_from and get_into read what they wrote.
+    return ({"put": {"put_batch": put_batch, "put_from": put_from},
+             "get": {"get_batch": get_batch, "get_into": get_into}}, release)
+
+
 def bench_io(args, servers, model_config, payloads: np.ndarray, label: str) -> dict:
     """Tier vs raw client, per backend, on `payloads` (uint8 [n, block_bytes])."""
     block = args.block_tokens
@@ -96,29 +145,23 @@ def bench_io(args, servers, model_config, payloads: np.ndarray, label: str) -> d
         guard = c.remote.blocks if role == "blocks" else c.remote.snapshots
         be = guard.backend
         raw = be.client
-        # Small values as bytes for Redis (one send with the command, as the tier does), else
-        # views of the rows: whichever the client moves fastest.
-        raw_value = (lambda row: row.tobytes()) if be.scheme == "redis" and P <= SMALL_VALUE_BYTES else memoryview
-        res = {"backend": be.scheme, "tier_put_s": [], "raw_put_s": [], "tier_get_s": [], "raw_get_s": [],
-               "verify_s": [], "verify_one_s": []}
+        res = {"backend": be.scheme, "tier_put_s": [], "tier_get_s": [], "verify_s": [], "verify_one_s": []}
+        # The raw client's batch calls (every one it has for moving many values, where it has
+        # more than one); the baseline of each op is the fastest of them in this run.
+        raw_ops, release = _raw_ops(be.scheme, raw, payloads)
+        for op, methods in raw_ops.items():
+            for name in methods:
+                res[f"raw_{op}_{name}_s"] = []
         for rep in range(args.repeat + 1):
             ns = f"r{rep}"
             tok = np.random.default_rng(rep).integers(0, 30000, size=(n, block), dtype=np.uint32)
             key = c.key(ns)
             hashes = c.hasher.hash_blocks(tok.reshape(-1), key)
             root = c.hasher.root(key)
-            raw_keys = [f"raw:{label}:{role}:{rep}:{i}" for i in range(n)]
+            raw_keys = {name: [f"raw:{label}:{role}:{rep}:{name}:{i}" for i in range(n)] for name in raw_ops["put"]}
+            read_keys = dict(zip(raw_ops["get"], raw_keys.values()))   # get method i reads put method i's keys
             for bi, s in enumerate(range(0, n, args.batch)):
                 e = min(n, s + args.batch)
-
-                def raw_put():   # the raw client, the bare payload rows, its best batch call
-                    t0 = time.perf_counter()
-                    rows = [raw_value(payloads[i]) for i in range(s, e)]
-                    if be.scheme == "mooncake":
-                        assert raw.put_batch(raw_keys[s:e], rows) == 0
-                    else:
-                        assert raw.mset(dict(zip(raw_keys[s:e], rows)))
-                    res["raw_put_s"].append(time.perf_counter() - t0)
 
                 def tier_put():  # records (header, CRC-32C) through the guard, as the writer does
                     t0 = time.perf_counter()
@@ -126,22 +169,15 @@ def bench_io(args, servers, model_config, payloads: np.ndarray, label: str) -> d
                                                   parts=be.takes_parts)
                     guard.call("put", 10.0, items)
                     res["tier_put_s"].append(time.perf_counter() - t0)
-                for f in ((raw_put, tier_put) if bi % 2 == 0 else (tier_put, raw_put)):   # alternate who goes first
-                    f()
+                def raw_put(name, f):   # the raw client, the bare payload rows
+                    t0 = time.perf_counter()
+                    f(raw_keys[name][s:e], s, e)
+                    res[f"raw_put_{name}_s"].append(time.perf_counter() - t0)
+                _alternate(bi, tier_put, [(lambda name=name, f=f: raw_put(name, f)) for name, f in raw_ops["put"].items()])
             for bi, s in enumerate(range(0, n, args.batch)):
                 e = min(n, s + args.batch)
 
-                def raw_get():   # the raw client's batch get, the blocks into one array
-                    t0 = time.perf_counter()
-                    if be.scheme == "mooncake":
-                        got = raw.get_batch(raw_keys[s:e])
-                    else:
-                        got = raw.mget(raw_keys[s:e])
-                    arr = np.frombuffer(b"".join(got), dtype=np.uint8).reshape(-1, P)
-                    res["raw_get_s"].append(time.perf_counter() - t0)
-                    assert arr.shape == (e - s, P)
-
-                def tier_get():  # get, verify, copy into a staging array (what promotion needs)
+                def tier_get():  # get, verify, deliver the payloads as one array (what promotion needs)
                     t0 = time.perf_counter()
                     saved = c.remote.blocks
                     c.remote.blocks = guard   # the lookup path, on this role's backend
@@ -151,8 +187,13 @@ def bench_io(args, servers, model_config, payloads: np.ndarray, label: str) -> d
                         c.remote.blocks = saved
                     res["tier_get_s"].append(time.perf_counter() - t0)
                     assert len(got) == e - s and np.array_equal(got, payloads[s:e]), "tier get incomplete"
-                for f in ((raw_get, tier_get) if bi % 2 == 0 else (tier_get, raw_get)):
-                    f()
+
+                def raw_get(name, f):   # the raw client's batch get, the blocks as one uint8 [n, P] array
+                    t0 = time.perf_counter()
+                    arr = f(read_keys[name][s:e], s, e)
+                    res[f"raw_get_{name}_s"].append(time.perf_counter() - t0)
+                    assert np.array_equal(arr, payloads[s:e]), f"raw {name} get incomplete"
+                _alternate(bi, tier_get, [(lambda name=name, f=f: raw_get(name, f)) for name, f in raw_ops["get"].items()])
             # verification alone, on values fetched once: what the tier runs per lookup (chain
             # ids + the batch check) and the one-value check it falls back to
             vals = guard.call("get", 10.0, c.remote.block_keys(ns, hashes))
@@ -174,15 +215,25 @@ def bench_io(args, servers, model_config, payloads: np.ndarray, label: str) -> d
                 assert ver.status == "ok"
             res["verify_one_s"].append(time.perf_counter() - t0)
             # Both sides' keys go, so every repetition allocates under the same conditions.
-            tier_keys = c.remote.block_keys(ns, hashes)
+            gone = c.remote.block_keys(ns, hashes) + [k for ks in raw_keys.values() for k in ks]
             if be.scheme == "mooncake":
-                raw.batch_remove(raw_keys + tier_keys, force=True)
+                raw.batch_remove(gone, force=True)
             else:
-                raw.delete(*raw_keys, *tier_keys)
+                raw.delete(*gone)
             if rep == 0:   # warm-up: connections, server allocations, first-touch pages
                 for k in res:
                     if k.endswith("_s"):
                         res[k].clear()
+        release()
+        # The baseline of each op: the raw method with the lowest median batch time.
+        res["raw_methods"] = {op: {name: statistics.median(res[f"raw_{op}_{name}_s"]) for name in methods}
+                              for op, methods in raw_ops.items()}
+        res["raw_best"] = {op: min(t, key=t.get) for op, t in res["raw_methods"].items()}
+        for op, methods in raw_ops.items():
+            for name in methods:
+                series = res.pop(f"raw_{op}_{name}_s")
+                if name == res["raw_best"][op]:
+                    res[f"raw_{op}_s"] = series
         tot = {k: sum(v) for k, v in res.items() if k.endswith("_s")}
         nbytes = n * P * args.repeat
         res["mb_per_s"] = {k[:-2]: nbytes / tot[k] / 1e6 for k in tot}

@@ -11,4 +11,7 @@ namespace dsv41 {
 // csrc/bindings/io.cpp: the I/O engine as the submodule dsv41._C.io.
 void bind_io(pybind11::module_& m);
 
+// csrc/bindings/remote.cpp: the remote tier's values as the submodule dsv41._C.remote.
+void bind_remote(pybind11::module_& m);
+
 }  // namespace dsv41

@@ -39,4 +39,5 @@ PYBIND11_MODULE(_C, m) {
   });
   // Each binding file's hook (declared in bindings.h) is called here.
   dsv41::bind_io(m);
+  dsv41::bind_remote(m);
 }

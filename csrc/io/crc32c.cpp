@@ -36,9 +36,13 @@ uint64_t load_le64(const uint8_t* p) {
 }
 
 #ifdef DSV41_CRC_X86
-__attribute__((target("sse4.2"))) uint32_t crc_sse42(uint32_t crc, const uint8_t* p, size_t n) {
+// kCopy: also copies the bytes to dst, from the registers the CRC reads (one pass over
+// memory instead of a copy and a CRC).
+template <bool kCopy>
+__attribute__((target("sse4.2"))) uint32_t crc_sse42(uint32_t crc, uint8_t* dst, const uint8_t* p, size_t n) {
   uint64_t c = ~crc;
   while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
+    if (kCopy) *dst++ = *p;
     c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
     --n;
   }
@@ -52,24 +56,39 @@ __attribute__((target("sse4.2"))) uint32_t crc_sse42(uint32_t crc, const uint8_t
       const uint8_t* p1 = p + kStream;
       const uint8_t* p2 = p + 2 * kStream;
       for (size_t i = 0; i < kStream; i += 8) {
-        c0 = _mm_crc32_u64(c0, load_le64(p + i));
-        c1 = _mm_crc32_u64(c1, load_le64(p1 + i));
-        c2 = _mm_crc32_u64(c2, load_le64(p2 + i));
+        const uint64_t v0 = load_le64(p + i), v1 = load_le64(p1 + i), v2 = load_le64(p2 + i);
+        c0 = _mm_crc32_u64(c0, v0);
+        c1 = _mm_crc32_u64(c1, v1);
+        c2 = _mm_crc32_u64(c2, v2);
+        if (kCopy) {   // x86 is little-endian: the loaded words are the bytes as they were
+          std::memcpy(dst + i, &v0, 8);
+          std::memcpy(dst + kStream + i, &v1, 8);
+          std::memcpy(dst + 2 * kStream + i, &v2, 8);
+        }
       }
       // c0..c2 are raw registers; conditioned CRCs are their complements.
       uint32_t r = crc::combine_with_op(~static_cast<uint32_t>(c0), ~static_cast<uint32_t>(c1), op);
       r = crc::combine_with_op(r, ~static_cast<uint32_t>(c2), op);
       c = ~r;
       p += 3 * kStream;
+      if (kCopy) dst += 3 * kStream;
       n -= 3 * kStream;
     }
   }
   while (n >= 8) {
-    c = _mm_crc32_u64(c, load_le64(p));
+    const uint64_t v = load_le64(p);
+    c = _mm_crc32_u64(c, v);
+    if (kCopy) {
+      std::memcpy(dst, &v, 8);
+      dst += 8;
+    }
     p += 8;
     n -= 8;
   }
-  while (n--) c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+  while (n--) {
+    if (kCopy) *dst++ = *p;
+    c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+  }
   return ~static_cast<uint32_t>(c);
 }
 #endif
@@ -107,13 +126,22 @@ bool crc32c_hw_available() {
 
 uint32_t crc32c_hw(uint32_t crc, const void* data, size_t n) {
 #ifdef DSV41_CRC_X86
-  if (crc32c_hw_available()) return crc_sse42(crc, static_cast<const uint8_t*>(data), n);
+  if (crc32c_hw_available()) return crc_sse42<false>(crc, nullptr, static_cast<const uint8_t*>(data), n);
 #endif
   return crc32c_sw(crc, data, n);
 }
 
 uint32_t crc32c(uint32_t crc, const void* data, size_t n) {
   return crc32c_hw_available() ? crc32c_hw(crc, data, n) : crc32c_sw(crc, data, n);
+}
+
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n) {
+#ifdef DSV41_CRC_X86
+  if (crc32c_hw_available())
+    return crc_sse42<true>(crc, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
+#endif
+  std::memcpy(dst, src, n);
+  return crc32c_sw(crc, dst, n);
 }
 
 const char* crc32c_backend() { return crc32c_hw_available() ? "sse4.2" : "slice-by-8"; }

@@ -85,6 +85,8 @@ uint32_t crc32c(uint32_t crc, const void* data, size_t n);     // fastest availa
 uint32_t crc32c_sw(uint32_t crc, const void* data, size_t n);  // slice-by-8, portable
 uint32_t crc32c_hw(uint32_t crc, const void* data, size_t n);  // needs crc32c_hw_available()
 bool crc32c_hw_available();
+// crc32c of src, copying its n bytes to dst in the same pass (dst must not overlap src).
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n);
 const char* crc32c_backend();  // "sse4.2" or "slice-by-8"
 const uint32_t* crc32c_byte_table();  // table_entry(0..255), for the chunked device code
 

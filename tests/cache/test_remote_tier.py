@@ -156,6 +156,33 @@ def test_namespaces_and_models_never_cross(servers):
             c.close()
 
 
+def test_values_of_another_size_read_in_place_are_classified(servers):
+    """Mooncake reads values straight into a record-sized array: another namespace's values
+    (a key 63 bytes longer or shorter, so records longer or shorter than this namespace's)
+    under this namespace's keys are still read whole, classified as foreign, never served."""
+    a = make_cache(servers)
+    try:
+        tok = tokens(6, 2 * B)
+        mc = a.remote.blocks.backend.client
+        for src, dst in (("x" * 64, "m"), ("m", "x" * 64)):
+            key = a.key(src)
+            hs = a.hasher.hash_blocks(tok, key)
+            items = a.remote.block_values(key, src, hs, as_token_array(tok).reshape(2, B), range(2),
+                                          payloads(a, 2, 6), 0, a.hasher.root(key))
+            hd = a.hasher.hash_blocks(tok, a.key(dst))
+            assert len(items[0][1]) != len(a.remote.block_values(a.key(dst), dst, hd, as_token_array(tok).reshape(
+                2, B), range(1), payloads(a, 1, 6), 0, a.hasher.root(a.key(dst)))[0][1])
+            assert mc.put_batch([a.remote.block_key(dst, h) for h in hd], [bytes(v) for _, v in items]) == 0
+            before = a.metrics.to_dict()["dsv41_cache_remote_verify_failures_total"].get("role=blocks,kind=foreign", 0)
+            m = a.match(tok, namespace=dst)
+            assert m.num_blocks == 0
+            a.release(m)
+            vf = a.metrics.to_dict()["dsv41_cache_remote_verify_failures_total"]
+            assert vf["role=blocks,kind=foreign"] == before + 1, dst
+    finally:
+        a.close()
+
+
 def test_corrupt_values_written_with_the_backends_clients_are_misses(servers):
     a, b = make_cache(servers), make_cache(servers)
     try:

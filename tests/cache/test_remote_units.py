@@ -221,3 +221,57 @@ def test_deadline_and_breaker_bound_a_hanging_backend():
     assert m.breaker_state.value(backend="hang") == OPEN
     be.release.set()
     g.close()
+
+
+def test_cxx_sha256_and_chain_ids_equal_the_python_definitions():
+    """The C++ SHA-256 (SHA extensions and portable code) equals hashlib at every padding
+    edge, and the C++ chain ids equal _chain_step bit for bit: random token ids over the
+    whole uint32 range, keys of many lengths (empty too), empty token rows, any parent."""
+    import hashlib
+    import os
+
+    from dsv41._ext import _C
+    from dsv41.cache.remote.record import _chain_step
+    for n in list(range(0, 140)) + [4096, 100_003]:
+        d = os.urandom(n)
+        assert _C.remote.sha256(d) == _C.remote.sha256(d, portable=True) == hashlib.sha256(d).digest(), n
+    g = np.random.default_rng(5)
+    for T, K in ((64, 70), (16, 0), (1, 1), (0, 33), (7, 200)):
+        tok = g.integers(0, 1 << 32, size=(5, T), dtype=np.uint64).astype(np.uint32)
+        key = g.bytes(K)
+        for parent in (0, 1, (1 << 64) - 1, int(g.integers(0, 1 << 63))):
+            p = parent
+            assert chain_ids(tok, key, parent=parent) == [p := _chain_step(p, row, key) for row in tok], (T, K)
+        assert chain_ids(tok, key, 3, 9) == [_chain_step(9, tok[3], key), _chain_step(_chain_step(9, tok[3], key),
+                                                                                   tok[4], key)]
+
+
+@pytest.mark.parametrize("nbytes", [1, 999, 5088, 3 * 4096 * 2 + 13])
+def test_cxx_encode_and_verify_match_the_reference_at_any_size(nbytes):
+    """encode_records (C++, the payload copied and CRC'd in one pass) writes encode_record's
+    bytes and verify_records serves them, for payload sizes around the CRC's stream paths;
+    a flipped payload bit is still caught there."""
+    n, key, root = 4, _key(), b"r" * 32
+    tok, pay = _block(7, nblocks=n, nbytes=nbytes)
+    hashes = [bytes([i + 1]) * 20 for i in range(n)]   # hashes shorter than 32 bytes
+    chain = chain_ids(tok, key)
+    parents = [root] + hashes[:-1]
+    one = [bytes(encode_record(key=key, tokens=tok[i], payload=pay[i], block_index=i, block_hash=hashes[i],
+                               parent_hash=parents[i], chain_id=chain[i], parent_chain=chain[i - 1] if i else 0,
+                               created_ns=5)) for i in range(n)]
+    for parts in (False, True):
+        many = encode_records(key=key, tokens=tok, payloads=pay, block_indices=range(n), block_hashes=hashes,
+                              parent_hashes=parents, chain_ids=chain, parent_chains=[0] + chain[:-1], created_ns=5,
+                              parts=parts)
+        assert [b"".join(bytes(p) for p in v) if parts else bytes(v) for v in many] == one
+    args = dict(key=key, start=0, hashes=hashes, parent_hash=root, chain=chain, parent_chain=0, tokens=tok,
+                payload_bytes=nbytes)
+    rows, status = verify_records(one, **args)
+    assert status is None and np.array_equal(rows, pay)
+    records = np.frombuffer(b"".join(one), dtype=np.uint8).reshape(n, -1)
+    rows, status = verify_records(list(records), records=records, **args)
+    assert status is None and np.array_equal(rows, pay)
+    bad = list(one)
+    bad[2] = bad[2][:-1] + bytes([bad[2][-1] ^ 0x80])
+    rows, status = verify_records(bad, **args)
+    assert status == "corrupt" and np.array_equal(rows, pay[:2])

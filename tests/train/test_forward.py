@@ -28,6 +28,15 @@ def _reference(model, toks, dense):
         model.dense_attention = False
 
 
+def _until_first_flip(topk_a: dict, topk_b: dict, shape) -> torch.Tensor:
+    """[B, T] bool: the positions before the first query whose selected entry set differs
+    between the two forwards, in any layer."""
+    flip = torch.zeros(shape, dtype=torch.bool)
+    for layer, a in topk_a.items():
+        flip |= (a.sort(-1).values != topk_b[layer].sort(-1).values).any(-1)
+    return flip.cumsum(-1) == 0
+
+
 @pytest.mark.parametrize("dense", [False, True])
 def test_logits_equal_the_reference_model(model, dense):
     g = torch.Generator().manual_seed(7)
@@ -36,7 +45,12 @@ def test_logits_equal_the_reference_model(model, dense):
     out64 = train_forward(model, toks, dense=dense, dtype=torch.float64)
     assert (out64.logits.float() - ref).abs().max() < 1e-5
     out32 = train_forward(model, toks, dense=dense)
-    assert (out32.logits - ref).abs().max() < 1e-4
+    # float32 may break a near-tie in the top-k differently from float64 (it does on some
+    # CPUs: AMD EPYC flips one of 8 entries at one query); every later position of that
+    # sequence then sees other KV. Compare each sequence up to its first flip.
+    same = _until_first_flip(out32.topk, out64.topk, toks.shape)
+    assert same.sum() >= 0.9 * same.numel()
+    assert (out32.logits - ref).abs().amax(-1)[same].max() < 1e-4
     assert set(out32.index_kl) == {2, 4, 6}          # the Full and Reindex layers of v41-tiny
 
 

@@ -56,6 +56,9 @@ class RemoteBackend(abc.ABC):
     # put() accepts a value as a tuple of bytes-like parts, stored as their concatenation
     # (the tier then hands it the payload without copying it into the record).
     takes_parts = False
+    # get_into() reads values straight into the rows of one array (no bytes object per
+    # value); the tier then checks them where they landed and serves views of them.
+    reads_into = False
 
     def __init__(self, url: str):
         self.url = url
@@ -69,6 +72,11 @@ class RemoteBackend(abc.ABC):
     @abc.abstractmethod
     def get(self, keys: Sequence[str], ttl_s: float | None = None) -> list[bytes | None]:
         """Values (None when missing); ttl_s: restart each found key's TTL (sliding)."""
+
+    def get_into(self, keys: Sequence[str], rows) -> list[int]:
+        """(reads_into backends) Values into the rows of `rows` (uint8 [n, row], C-contiguous).
+        Per key: the value's length, 0 when missing, -1 when it is longer than a row."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def put(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None, overwrite: bool = False) -> None:

@@ -32,7 +32,8 @@ import torch
 from ..swa_pool import TensorSnapshot
 from .base import Guarded, RemoteBackend, RemoteFull, RemoteUnavailable
 from .metrics import RemoteMetrics
-from .record import chain_ids, encode_record, encode_records, value_bytes, verify_record, verify_records
+from .record import (chain_ids, encode_record, encode_records, record_geometry, value_bytes, verify_record,
+                     verify_records)
 from .snapshot_codec import decode_snapshot, encode_snapshot
 
 __all__ = ["RemoteTier", "RemoteConfig", "open_backend", "namespace_tag"]
@@ -144,7 +145,7 @@ class RemoteTier:
             return empty
         keys = self.block_keys(namespace, hashes[start: start + want])
         try:
-            vals = self.blocks.call("get", self._deadline(want * self.block_bytes), keys)
+            vals, records = self._get_blocks(keys, len(key), self._deadline(want * self.block_bytes))
         except RemoteUnavailable:
             m.misses.inc(want, role="blocks")
             return empty
@@ -153,7 +154,8 @@ class RemoteTier:
         rows, status = verify_records(vals, key=key, start=start, hashes=hashes[start: start + want],
                                       parent_hash=hashes[start - 1] if start else root, chain=chain[start:],
                                       parent_chain=chain[start - 1] if start else 0,
-                                      tokens=tok[start: start + want], payload_bytes=self.block_bytes)
+                                      tokens=tok[start: start + want], payload_bytes=self.block_bytes,
+                                      records=records)
         if status is not None:
             m.verify_failures.inc(role="blocks", kind=status)
         n = len(rows)
@@ -162,6 +164,24 @@ class RemoteTier:
         m.misses.inc(want - n, role="blocks")
         m.bytes_read.inc(n * self.block_bytes, role="blocks")
         return rows
+
+    def _get_blocks(self, keys: list[str], key_bytes: int, deadline: float) -> tuple[list, np.ndarray | None]:
+        """The block values under keys (None: missing) and, from a backend that reads_into,
+        the array of records they were read into (else None). There a value longer than a
+        record, which cannot be ours, is fetched alone so that it is classified like any
+        other; the values after it are not needed (a lookup serves a run)."""
+        be = self.blocks.backend
+        if not be.reads_into:
+            return self.blocks.call("get", deadline, keys), None
+        _, rbytes, _ = record_geometry(self.block_tokens, key_bytes, self.block_bytes)
+        records = np.empty((len(keys), rbytes), dtype=np.uint8)
+        vals = []
+        for i, n in enumerate(self.blocks.call("get_into", deadline, keys, records)):
+            if n < 0:
+                vals += self.blocks.call("get", deadline, keys[i: i + 1])
+                break
+            vals.append(records[i, :n] if n else None)
+        return vals, records
 
     def get_snapshot(self, key: bytes, namespace: str, arr: np.ndarray, hashes: Sequence[bytes], root: bytes,
                      max_blocks: int, limit: int) -> TensorSnapshot | None:
