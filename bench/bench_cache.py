@@ -196,8 +196,8 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
             os.close(f.fd)
             results[str(chain_tokens)]["raw_direct"] = f.direct
 
-        methods = {"parallel_4MiB": (chunk, True), "parallel_1MiB": (op_bytes, True),
-                   "sequential_1MiB": (op_bytes, False)}
+        methods = {"parallel_4MiB": (chunk, True), "sequential_4MiB": (chunk, False),
+                   "parallel_1MiB": (op_bytes, True), "sequential_1MiB": (op_bytes, False)}
         raw_writes = {name: (lambda op=op, par=par: raw_write(op, par, commit_spans))
                       for name, (op, par) in methods.items()}
         raw_writes_one_call = {name: (lambda op=op, par=par: raw_write(op, par, [(0, span)]))

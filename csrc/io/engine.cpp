@@ -1,11 +1,13 @@
 // The POSIX side of the I/O engine: aligned buffers, the thread pool, and batched
 // pread/pwrite with O_DIRECT where the filesystem accepts it.
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -23,7 +25,11 @@ AlignedBuffer::AlignedBuffer(size_t size) : size_(size) {
   void* p = nullptr;
   // A zero-byte request still gets one page so data() is a valid aligned pointer.
   const size_t bytes = align_up(size ? size : 1);
-  if (posix_memalign(&p, kAlign, bytes) != 0) throw std::bad_alloc();
+  const bool huge = bytes >= kHugeBytes;
+  if (posix_memalign(&p, huge ? kHugeBytes : kAlign, bytes) != 0) throw std::bad_alloc();
+  // Before the memset touches the pages, so they are faulted in as huge pages. A kernel
+  // without transparent huge pages says no; the buffer works the same, only scattered.
+  if (huge) (void)madvise(p, bytes, MADV_HUGEPAGE);
   std::memset(p, 0, bytes);
   data_ = static_cast<uint8_t*>(p);
 }
@@ -146,6 +152,7 @@ uint64_t IoEngine::submit_write(int fd, uint64_t offset, const uint8_t* buf, uin
   w.op.buf = const_cast<uint8_t*>(buf);
   const uint64_t ticket = w.ticket;
   wopen_.insert(ticket);
+  wpending_.insert(ticket);
   wq_.push_back(std::move(w));
   wq_cv_.notify_one();
   return ticket;
@@ -176,6 +183,8 @@ void IoEngine::write_worker() {
     {
       std::lock_guard<std::mutex> lock(wmu_);
       wdone_[w.ticket] = {done, err};
+      wpending_.erase(w.ticket);
+      if (err) wfailed_[w.ticket] = err;
     }
     wdone_cv_.notify_all();
   }
@@ -189,6 +198,46 @@ std::pair<uint64_t, int> IoEngine::wait_write(uint64_t ticket) {
   wdone_.erase(ticket);
   wopen_.erase(ticket);
   return r;
+}
+
+bool IoEngine::poll_write(uint64_t ticket, std::pair<uint64_t, int>* result) {
+  std::lock_guard<std::mutex> lock(wmu_);
+  if (!wopen_.count(ticket)) {
+    *result = {0, EINVAL};
+    return true;
+  }
+  const auto it = wdone_.find(ticket);
+  if (it == wdone_.end()) return false;
+  *result = it->second;
+  wdone_.erase(it);
+  wopen_.erase(ticket);
+  return true;
+}
+
+std::pair<int, int> IoEngine::seal_file(int fd, uint64_t first_ticket, uint64_t last_ticket, bool durable,
+                                        const std::string& tmp, const std::string& dst, const std::string& dir) {
+  {
+    std::unique_lock<std::mutex> lock(wmu_);
+    wdone_cv_.wait(lock, [&] { return wpending_.empty() || *wpending_.begin() > last_ticket; });
+    const auto failed = wfailed_.lower_bound(first_ticket);
+    const int err = (failed != wfailed_.end() && failed->first <= last_ticket) ? failed->second : 0;
+    wfailed_.erase(wfailed_.begin(), wfailed_.upper_bound(last_ticket));
+    if (err) return {err, kSealWrites};
+  }
+  if (durable) {
+    const int r = fsync(fd);
+    if (r < 0) return {-r, kSealSync};
+  }
+  if (::rename(tmp.c_str(), dst.c_str()) != 0) return {errno, kSealRename};
+  if (durable) {
+    const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (d < 0) return {errno, kSealDirSync};
+    const int r = ::fsync(d);
+    const int e = errno;
+    ::close(d);
+    if (r != 0) return {e, kSealDirSync};
+  }
+  return {0, kSealDone};
 }
 
 int IoEngine::open(const std::string& path, int flags, int mode, bool direct, bool* is_direct) {

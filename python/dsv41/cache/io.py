@@ -25,7 +25,8 @@ from .._ext import _C
 
 __all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "crc32c", "crc32c_sw",
            "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",
-           "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE"]
+           "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME",
+           "SEAL_DIR_SYNC", "SEAL_DONE"]
 
 _io = _C.io
 ALIGN: int = _io.ALIGN
@@ -34,6 +35,12 @@ FAULT_REFUSE_DIRECT_OPEN: int = _io.FAULT_REFUSE_DIRECT_OPEN
 FAULT_REFUSE_DIRECT_IO: int = _io.FAULT_REFUSE_DIRECT_IO
 FAULT_NO_SPACE: int = _io.FAULT_NO_SPACE
 RECORD_STATUS: tuple[str, ...] = _io.RECORD_STATUS  # codes of IoEngine.read_records
+# IOEngine.seal_file's steps, in order
+SEAL_WRITES: int = _io.SEAL_WRITES
+SEAL_SYNC: int = _io.SEAL_SYNC
+SEAL_RENAME: int = _io.SEAL_RENAME
+SEAL_DIR_SYNC: int = _io.SEAL_DIR_SYNC
+SEAL_DONE: int = _io.SEAL_DONE
 
 
 def align_up(n: int) -> int:
@@ -103,6 +110,15 @@ class IOEngine:
         if err or done != length:
             err = err or 5
             raise OSError(err, os.strerror(err), path)
+
+    def seal_file(self, fd: int, first_ticket: int, last_ticket: int, durable: bool, tmp: str, dst: str,
+                  directory: str) -> tuple[int, int]:
+        """Waits for the submit_writes up to last_ticket; unless one of first_ticket..
+        last_ticket failed: fdatasync(fd) (durable), rename(tmp, dst), fsync(directory)
+        (durable), all without coming back to Python. Returns (errno, step): errno 0 when
+        every step succeeded, else the step it failed at (SEAL_WRITES, SEAL_SYNC,
+        SEAL_RENAME, SEAL_DIR_SYNC); dst exists once step > SEAL_RENAME."""
+        return self._eng.seal_file(fd, first_ticket, last_ticket, durable, tmp, dst, directory)
 
     def encode_records(self, buf, specs: list) -> None:
         """Writes records into buf on the engine's threads: specs [(offset, head, token ids,

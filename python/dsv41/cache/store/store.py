@@ -197,7 +197,11 @@ class PersistentStore:
             # Ready before the first commit: the threads, and the staging buffers a segment
             # cycles through (allocating and zeroing them is a once-per-store cost).
             self._sealer.start()
-            self._staging = [_io.staging(_writer.WRITE_CHUNK) for _ in range(_writer.STAGING_CHUNKS)]
+            # One allocation, sliced: from 2 MiB on it is backed by huge pages
+            # (io.AlignedBuffer), so each chunk write is one disk request.
+            W = _writer.WRITE_CHUNK
+            self._staging_pool, pool = _io.staging(W * _writer.STAGING_CHUNKS)
+            self._staging = [(pool[i * W: (i + 1) * W],) * 2 for i in range(_writer.STAGING_CHUNKS)]
         self.recovery_seconds = time.perf_counter() - t0
         self.metrics.recovery_seconds.set(self.recovery_seconds)
         self._update_gauges()

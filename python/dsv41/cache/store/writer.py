@@ -31,16 +31,17 @@ log = logging.getLogger("dsv41.cache.store")
 __all__ = ["write_segment", "start_segment", "seal_segment", "commit_pending", "CommitTicket", "SerialWorker",
            "ParentLost"]
 
-# One writer thread issues the chunk writes one after the other while the caller encodes
-# the next chunks: on the 2-core development VM (O_DIRECT on ext4) one sequential stream of
-# 1 MiB writes was the fastest raw method, and two or four writes in flight on one file were
-# 10-30% slower (ext4 serialises writes that extend a file; bench/bench_cache.py and a probe
-# of 1/2/4 writes in flight). The encoder runs up to 8 chunks ahead: on a shared machine
-# the encoding thread is sometimes descheduled for milliseconds, and the queue keeps the
-# disk busy meanwhile. Every staging chunk (header and footer included) fits one 1 MiB
-# staging buffer, so the store's buffer pool is reused, never reallocated.
-WRITE_CHUNK = 1 << 20  # staging chunk: encoded while the ones before are written
-IN_FLIGHT = 8          # chunks encoded ahead of the writer (queued or being written)
+# The writer threads issue the chunk writes in order while the caller encodes the next
+# chunks. Chunks are 4 MiB slices of one huge-page-backed staging pool, so each goes to
+# the disk as one request: on the 2-core development VM (O_DIRECT on ext4, virtio) a
+# write's time follows the number of requests, and 4 MiB writes from huge pages moved
+# the same bytes in 0.6-0.8x the time of 1 MiB writes (docs/cache.md, "Write path").
+# The encoder runs up to 4 chunks (16 MiB) ahead: on a shared machine the encoding
+# thread is sometimes descheduled for milliseconds, and the queue keeps the disk busy
+# meanwhile. Every staging chunk (header and footer included) fits one staging slice, so
+# the store's buffer pool is reused, never reallocated.
+WRITE_CHUNK = 4 << 20  # staging chunk: encoded while the ones before are written
+IN_FLIGHT = 4          # chunks encoded ahead of the writer (queued or being written)
 STAGING_CHUNKS = IN_FLIGHT + 1  # staging buffers the writes cycle through (the store keeps them)
 
 
@@ -135,12 +136,13 @@ class Unsealed:
     """A segment whose chunks are written (or queued for writing) under its temporary name:
     neither durable nor visible until seal_segment()."""
 
-    __slots__ = ("tmp", "name", "f", "seg", "unreaped", "write_error", "new_recs", "file_bytes", "rids",
-                 "outside_parents", "raw")
+    __slots__ = ("tmp", "name", "f", "seg", "unreaped", "first_ticket", "last_ticket", "write_error", "new_recs",
+                 "file_bytes", "rids", "outside_parents", "raw")
 
     def __init__(self, tmp, name, f, seg, raw: bool):
         self.tmp, self.name, self.f, self.seg, self.raw = tmp, name, f, seg, raw
         self.unreaped = 0  # its chunk writes not yet waited for
+        self.first_ticket = self.last_ticket = 0  # its chunk writes' tickets (submit_write)
         self.write_error: OSError | None = None
         self.new_recs: list[StoredRecord] = []
         self.file_bytes = 0
@@ -249,6 +251,8 @@ def start_segment(store: PersistentStore, records: list, supersedes: list[bytes]
                 store._put_staging(item)
                 raise
             u.unreaped += 1
+            u.first_ticket = u.first_ticket or ticket
+            u.last_ticket = ticket
             store._in_flight.append((ticket, item, total, u))
             offset += total
         # The index entries are built while the last chunks are being written.
@@ -267,33 +271,38 @@ def start_segment(store: PersistentStore, records: list, supersedes: list[bytes]
 def seal_segment(store: PersistentStore, u: Unsealed) -> int:
     """Waits for an Unsealed segment's writes, makes it durable (durability "fsync"),
     renames it into place, fsyncs the directory and indexes its records. Returns the file
-    size. On failure nothing is left behind and OSError (or ParentLost) is raised."""
+    size. On failure nothing is left behind and OSError (or ParentLost) is raised.
+
+    The waits, fdatasync, rename and directory fsync are one engine call (seal_file):
+    this runs on the sealer thread while the committing thread runs Python, and every
+    time a thread gives up the GIL, getting it back can take a switch interval (5 ms);
+    one call per segment rather than one per step kept the disk from idling between
+    segments (bench/bench_cache.py store writes)."""
     published = False
     try:
-        while u.unreaped:
-            _reap_one(store)
-        if u.write_error is not None:
-            raise u.write_error
         if u.outside_parents:
             with store._lock:
                 lost = [p for p in u.outside_parents if p not in store._ix.recs]
             if lost:
                 raise ParentLost(f"parent record {lost[0]} is no longer stored")
-        if store.durability == "fsync":
-            store._hook("fsync")
-            store._eng.fsync(u.f.fd, str(u.tmp))
+        store._hook("seal")
+        err, step = store._eng.seal_file(u.f.fd, u.first_ticket, u.last_ticket, store.durability == "fsync",
+                                         str(u.tmp), str(store.path / u.name), str(store.path))
+        published = step > _io.SEAL_RENAME
+        if err:
+            raise OSError(err, os.strerror(err), str(store.path if published else u.tmp))
+        while u.unreaped:  # done already: hands their staging buffers back
+            _reap_one(store)
+        if u.write_error is not None:  # the engine reported none, so this cannot happen
+            raise u.write_error
         os.close(u.f.fd)
         u.f.fd = -1
-        store._hook("rename")
-        os.rename(u.tmp, store.path / u.name)
-        published = True
-        if store.durability == "fsync":
-            _files.fsync_dir(store.path)
         store._hook("published")
     except BaseException:
         if published:
             if u.f.fd >= 0:
                 os.close(u.f.fd)
+                u.f.fd = -1
         else:
             u.abandon(store)
         raise
