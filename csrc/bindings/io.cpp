@@ -382,6 +382,11 @@ void bind_io(py::module_& parent) {
   m.attr("FAULT_REFUSE_DIRECT_IO") = static_cast<uint32_t>(io::kFaultRefuseDirectIo);
   m.attr("FAULT_NO_SPACE") = static_cast<uint32_t>(io::kFaultNoSpace);
   m.attr("RECORD_STATUS") = py::make_tuple("ok", "truncated", "header", "checksum", "collision");
+  m.attr("SEAL_WRITES") = static_cast<int>(IoEngine::kSealWrites);
+  m.attr("SEAL_SYNC") = static_cast<int>(IoEngine::kSealSync);
+  m.attr("SEAL_RENAME") = static_cast<int>(IoEngine::kSealRename);
+  m.attr("SEAL_DIR_SYNC") = static_cast<int>(IoEngine::kSealDirSync);
+  m.attr("SEAL_DONE") = static_cast<int>(IoEngine::kSealDone);
 
   py::class_<AlignedBuffer, std::shared_ptr<AlignedBuffer>>(m, "AlignedBuffer", py::buffer_protocol(),
                                                             "A zeroed 4 KiB-aligned host buffer.")
@@ -401,7 +406,8 @@ void bind_io(py::module_& parent) {
       });
 
   py::class_<IoEngine, std::shared_ptr<IoEngine>>(m, "IoEngine")
-      .def(py::init<int, uint64_t>(), py::arg("threads"), py::arg("chunk_bytes") = uint64_t(4) << 20)
+      .def(py::init<int, uint64_t, int>(), py::arg("threads"), py::arg("chunk_bytes") = uint64_t(4) << 20,
+           py::arg("write_depth") = 2)
       .def_property_readonly("threads", &IoEngine::threads)
       .def("open",
            [](IoEngine& e, const std::string& path, int flags, int mode, bool direct) {
@@ -419,6 +425,39 @@ void bind_io(py::module_& parent) {
            "ops: [(fd, offset, length, buffer, buffer_offset[, crc_ranges])] -> [(bytes_read, errno[, crcs])]")
       .def("pwrite", [](IoEngine& e, const py::list& ops) { return run_ops(e, ops, true); },
            "ops: [(fd, offset, length, buffer, buffer_offset)] -> [(bytes_written, errno)]")
+      .def("submit_write",
+           [](IoEngine& e, int fd, uint64_t offset, const py::buffer& buf, uint64_t buf_offset,
+              uint64_t length) {
+             ByteView v = byte_view(buf, false);
+             if (buf_offset > v.size || length > v.size - buf_offset)
+               throw std::invalid_argument("write of " + std::to_string(length) + " bytes at buffer offset " +
+                                           std::to_string(buf_offset) + " overruns a buffer of " +
+                                           std::to_string(v.size) + " bytes");
+             return e.submit_write(fd, offset, v.ptr + buf_offset, length);
+           },
+           py::arg("fd"), py::arg("offset"), py::arg("buf"), py::arg("buf_offset"), py::arg("length"),
+           "queues one write for the engine's writer threads -> ticket (keep buf alive until wait_write)")
+      .def("wait_write",
+           [](IoEngine& e, uint64_t ticket) {
+             // A write that is done already is taken without giving up the GIL: getting
+             // it back can take a switch interval (5 ms) while another thread runs Python.
+             std::pair<uint64_t, int> r;
+             if (e.poll_write(ticket, &r)) return r;
+             py::gil_scoped_release nogil;
+             return e.wait_write(ticket);
+           },
+           py::arg("ticket"), "waits for a submit_write -> (bytes_written, errno)")
+      .def("seal_file",
+           [](IoEngine& e, int fd, uint64_t first_ticket, uint64_t last_ticket, bool durable,
+              const std::string& tmp, const std::string& dst, const std::string& dir) {
+             py::gil_scoped_release nogil;
+             return e.seal_file(fd, first_ticket, last_ticket, durable, tmp, dst, dir);
+           },
+           py::arg("fd"), py::arg("first_ticket"), py::arg("last_ticket"), py::arg("durable"), py::arg("tmp"),
+           py::arg("dst"), py::arg("dir"),
+           "waits for the writes up to last_ticket; unless one of first..last failed: fdatasync (durable), "
+           "rename(tmp, dst), fsync(dir) (durable) -> (errno, step reached: 0 writes, 1 fsync, 2 rename, "
+           "3 dir fsync, 4 done)")
       .def("read_records", &read_records, py::arg("ops"), py::arg("tokens"), py::arg("key"), py::arg("dst"),
            py::arg("payload_bytes"),
            "verified record reads: each worker checks (and copies out) the records of the op it read")

@@ -1,11 +1,13 @@
 // The POSIX side of the I/O engine: aligned buffers, the thread pool, and batched
 // pread/pwrite with O_DIRECT where the filesystem accepts it.
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -23,7 +25,11 @@ AlignedBuffer::AlignedBuffer(size_t size) : size_(size) {
   void* p = nullptr;
   // A zero-byte request still gets one page so data() is a valid aligned pointer.
   const size_t bytes = align_up(size ? size : 1);
-  if (posix_memalign(&p, kAlign, bytes) != 0) throw std::bad_alloc();
+  const bool huge = bytes >= kHugeBytes;
+  if (posix_memalign(&p, huge ? kHugeBytes : kAlign, bytes) != 0) throw std::bad_alloc();
+  // Before the memset touches the pages, so they are faulted in as huge pages. A kernel
+  // without transparent huge pages says no; the buffer works the same, only scattered.
+  if (huge) (void)madvise(p, bytes, MADV_HUGEPAGE);
   std::memset(p, 0, bytes);
   data_ = static_cast<uint8_t*>(p);
 }
@@ -110,8 +116,129 @@ void ThreadPool::parallel_for(size_t n, const std::function<void(size_t)>& fn) {
 
 // ---- IoEngine ---------------------------------------------------------------------------
 
-IoEngine::IoEngine(int threads, uint64_t chunk_bytes)
-    : pool_(threads), chunk_bytes_(std::max<uint64_t>(align_up(chunk_bytes), kAlign)) {}
+IoEngine::IoEngine(int threads, uint64_t chunk_bytes, int write_depth)
+    : pool_(threads),
+      chunk_bytes_(std::max<uint64_t>(align_up(chunk_bytes), kAlign)),
+      write_depth_(std::max(1, write_depth)) {}
+
+IoEngine::~IoEngine() {
+  {
+    std::lock_guard<std::mutex> lock(wmu_);
+    wstop_ = true;
+  }
+  wq_cv_.notify_all();
+  for (auto& t : writers_) {
+    if (writers_pid_ == getpid()) {
+      t.join();  // they finish what was queued first
+    } else {
+      t.detach();  // a forked child's copy: that thread is not in this process
+    }
+  }
+}
+
+uint64_t IoEngine::submit_write(int fd, uint64_t offset, const uint8_t* buf, uint64_t length) {
+  std::lock_guard<std::mutex> lock(wmu_);
+  if (writers_pid_ != getpid()) {  // first use, or in a forked child: its own threads
+    for (auto& t : writers_) t.detach();
+    writers_.clear();
+    writers_pid_ = getpid();
+    for (int i = 0; i < write_depth_; ++i) writers_.emplace_back([this] { write_worker(); });
+  }
+  QueuedWrite w;
+  w.ticket = next_ticket_++;
+  w.op.fd = fd;
+  w.op.offset = offset;
+  w.op.length = length;
+  w.op.buf = const_cast<uint8_t*>(buf);
+  const uint64_t ticket = w.ticket;
+  wopen_.insert(ticket);
+  wpending_.insert(ticket);
+  wq_.push_back(std::move(w));
+  wq_cv_.notify_one();
+  return ticket;
+}
+
+void IoEngine::write_worker() {
+  for (;;) {
+    QueuedWrite w;
+    {
+      std::unique_lock<std::mutex> lock(wmu_);
+      wq_cv_.wait(lock, [this] { return wstop_ || !wq_.empty(); });
+      if (wq_.empty()) return;  // stopping, and nothing left to write
+      w = std::move(wq_.front());
+      wq_.pop_front();
+    }
+    int err = 0;
+    uint64_t done = 0;
+    if (w.op.fd < 0) {
+      err = EBADF;
+    } else {
+      Chunk c{&w.op, 0, w.op.length};
+      run_chunk(c, true);
+      done = c.done;
+      err = c.err ? c.err : (c.done < c.length ? EIO : 0);
+    }
+    write_ops_.fetch_add(1);
+    if (err) errors_.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> lock(wmu_);
+      wdone_[w.ticket] = {done, err};
+      wpending_.erase(w.ticket);
+      if (err) wfailed_[w.ticket] = err;
+    }
+    wdone_cv_.notify_all();
+  }
+}
+
+std::pair<uint64_t, int> IoEngine::wait_write(uint64_t ticket) {
+  std::unique_lock<std::mutex> lock(wmu_);
+  if (!wopen_.count(ticket)) return {0, EINVAL};  // never submitted, or waited for already
+  wdone_cv_.wait(lock, [&] { return wdone_.count(ticket) > 0; });
+  const auto r = wdone_[ticket];
+  wdone_.erase(ticket);
+  wopen_.erase(ticket);
+  return r;
+}
+
+bool IoEngine::poll_write(uint64_t ticket, std::pair<uint64_t, int>* result) {
+  std::lock_guard<std::mutex> lock(wmu_);
+  if (!wopen_.count(ticket)) {
+    *result = {0, EINVAL};
+    return true;
+  }
+  const auto it = wdone_.find(ticket);
+  if (it == wdone_.end()) return false;
+  *result = it->second;
+  wdone_.erase(it);
+  wopen_.erase(ticket);
+  return true;
+}
+
+std::pair<int, int> IoEngine::seal_file(int fd, uint64_t first_ticket, uint64_t last_ticket, bool durable,
+                                        const std::string& tmp, const std::string& dst, const std::string& dir) {
+  {
+    std::unique_lock<std::mutex> lock(wmu_);
+    wdone_cv_.wait(lock, [&] { return wpending_.empty() || *wpending_.begin() > last_ticket; });
+    const auto failed = wfailed_.lower_bound(first_ticket);
+    const int err = (failed != wfailed_.end() && failed->first <= last_ticket) ? failed->second : 0;
+    wfailed_.erase(wfailed_.begin(), wfailed_.upper_bound(last_ticket));
+    if (err) return {err, kSealWrites};
+  }
+  if (durable) {
+    const int r = fsync(fd);
+    if (r < 0) return {-r, kSealSync};
+  }
+  if (::rename(tmp.c_str(), dst.c_str()) != 0) return {errno, kSealRename};
+  if (durable) {
+    const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (d < 0) return {errno, kSealDirSync};
+    const int r = ::fsync(d);
+    const int e = errno;
+    ::close(d);
+    if (r != 0) return {e, kSealDirSync};
+  }
+  return {0, kSealDone};
+}
 
 int IoEngine::open(const std::string& path, int flags, int mode, bool direct, bool* is_direct) {
   *is_direct = false;

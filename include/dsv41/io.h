@@ -16,9 +16,13 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -32,7 +36,16 @@ constexpr size_t kAlign = 4096;
 inline bool is_aligned(uint64_t v) { return v % kAlign == 0; }
 inline uint64_t align_up(uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-// A 4 KiB-aligned host allocation; page-locked for the GPU when pin_host() succeeds.
+// Buffers of kHugeBytes or more start on a kHugeBytes boundary and are advised for
+// transparent huge pages (madvise, where the kernel offers them). An O_DIRECT request
+// carries at most the queue's max_segments runs of physically contiguous memory (254 on
+// the development VM's virtio disk): 1 MiB from scattered 4 KiB pages is 256 runs and
+// goes out as two requests, from a huge page as one, and 4 MiB as one request too. On
+// that disk a write's time follows the number of requests (measured in docs/cache.md).
+constexpr size_t kHugeBytes = size_t(2) << 20;
+
+// A 4 KiB-aligned (2 MiB from kHugeBytes on) host allocation; page-locked for the GPU
+// when pin_host() succeeds.
 class AlignedBuffer {
  public:
   explicit AlignedBuffer(size_t size);
@@ -119,8 +132,11 @@ struct IoCounters {
 class IoEngine {
  public:
   // `threads` workers; ops larger than `chunk_bytes` are split so one big op still uses
-  // every worker.
-  explicit IoEngine(int threads, uint64_t chunk_bytes = 4u << 20);
+  // every worker. `write_depth` more threads serve submit_write (started on first use).
+  explicit IoEngine(int threads, uint64_t chunk_bytes = 4u << 20, int write_depth = 2);
+  ~IoEngine();
+  IoEngine(const IoEngine&) = delete;
+  IoEngine& operator=(const IoEngine&) = delete;
 
   int threads() const { return pool_.size(); }
 
@@ -145,6 +161,26 @@ class IoEngine {
                    const uint64_t* src_off, size_t n, uint64_t length);
 
   int fsync(int fd);  // fdatasync where the platform has it, else fsync; 0 or -errno
+  // Background writes: submit_write queues one write and returns a ticket at once;
+  // `write_depth` dedicated threads issue the queued writes in order, up to that many at
+  // a time; wait_write(ticket) blocks until that write is done and returns (bytes
+  // written, errno) (errno EIO for a short write). A caller that streams chunks keeps the
+  // disk busy without coming back between writes (from Python: without the GIL). The
+  // buffer must stay alive and unchanged until the ticket is waited for.
+  uint64_t submit_write(int fd, uint64_t offset, const uint8_t* buf, uint64_t length);
+  std::pair<uint64_t, int> wait_write(uint64_t ticket);
+  // wait_write without blocking: false if the write is still queued or in progress.
+  bool poll_write(uint64_t ticket, std::pair<uint64_t, int>* result);
+  // Makes a file written through submit_write durable and visible, in one call so a
+  // caller holding a lock (Python's GIL) gives it up once, not once per step: waits
+  // until every write submitted up to `last_ticket` is done; if one of the tickets
+  // first_ticket..last_ticket failed, stops there; else fdatasync(fd) (when `durable`),
+  // rename(tmp, dst), fsync of directory `dir` (when `durable`). Returns (errno, the
+  // step it stopped at: SealStep), errno 0 when every step succeeded. Failures of
+  // tickets up to last_ticket are forgotten (they were reported here or waited for).
+  enum SealStep { kSealWrites = 0, kSealSync = 1, kSealRename = 2, kSealDirSync = 3, kSealDone = 4 };
+  std::pair<int, int> seal_file(int fd, uint64_t first_ticket, uint64_t last_ticket, bool durable,
+                                const std::string& tmp, const std::string& dst, const std::string& dir);
 
   // Runs fn(0..n-1) on the engine's threads (the caller helps) and waits.
   void parallel_for(size_t n, const std::function<void(size_t)>& fn) { pool_.parallel_for(n, fn); }
@@ -161,11 +197,29 @@ class IoEngine {
     int err = 0;
   };
   void run_chunk(Chunk& c, bool write);
+  void write_worker();
   int do_io(int fd, uint8_t* buf, uint64_t length, uint64_t offset, bool write, uint64_t* done);
   bool drop_direct(int fd);
 
   ThreadPool pool_;
   uint64_t chunk_bytes_;
+  // submit_write's queue, its threads and the results not yet waited for.
+  struct QueuedWrite {
+    uint64_t ticket;
+    IoOp op;
+  };
+  int write_depth_;
+  std::mutex wmu_;
+  std::condition_variable wq_cv_, wdone_cv_;
+  std::deque<QueuedWrite> wq_;
+  std::unordered_set<uint64_t> wopen_;  // tickets not yet waited for
+  std::unordered_map<uint64_t, std::pair<uint64_t, int>> wdone_;  // ticket -> (done, errno)
+  std::set<uint64_t> wpending_;  // tickets queued or being written
+  std::map<uint64_t, int> wfailed_;  // ticket -> errno of failed writes, until seal_file
+  uint64_t next_ticket_ = 1;
+  bool wstop_ = false;
+  std::vector<std::thread> writers_;
+  int writers_pid_ = 0;  // a forked child inherits writers_ but not the threads
   std::atomic<uint32_t> faults_{0};
   std::atomic<uint64_t> nospace_after_{0};
   std::atomic<bool> direct_io_refused_once_{false};

@@ -61,7 +61,7 @@ def test_segments_written_in_chunks_reopen_whole(tmp_path, monkeypatch, chunk_pa
     records, the header page and the tail split every way; the store reopens from the
     footer (no damaged segment) and every record and a compaction's copy verify."""
     from dsv41.cache.store import writer
-    monkeypatch.setattr(writer, "_WRITE_CHUNK", chunk_pages * io.ALIGN)
+    monkeypatch.setattr(writer, "WRITE_CHUNK", chunk_pages * io.ALIGN)
     rng = np.random.default_rng(chunk_pages)
     chains = [rand_tokens(rng, n * B) for n in (1, 4, 7)]
     with open_store(tmp_path, durability="fsync") as st:

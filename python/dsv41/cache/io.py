@@ -25,7 +25,8 @@ from .._ext import _C
 
 __all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "crc32c", "crc32c_sw",
            "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",
-           "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE"]
+           "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME",
+           "SEAL_DIR_SYNC", "SEAL_DONE"]
 
 _io = _C.io
 ALIGN: int = _io.ALIGN
@@ -34,6 +35,12 @@ FAULT_REFUSE_DIRECT_OPEN: int = _io.FAULT_REFUSE_DIRECT_OPEN
 FAULT_REFUSE_DIRECT_IO: int = _io.FAULT_REFUSE_DIRECT_IO
 FAULT_NO_SPACE: int = _io.FAULT_NO_SPACE
 RECORD_STATUS: tuple[str, ...] = _io.RECORD_STATUS  # codes of IoEngine.read_records
+# IOEngine.seal_file's steps, in order
+SEAL_WRITES: int = _io.SEAL_WRITES
+SEAL_SYNC: int = _io.SEAL_SYNC
+SEAL_RENAME: int = _io.SEAL_RENAME
+SEAL_DIR_SYNC: int = _io.SEAL_DIR_SYNC
+SEAL_DONE: int = _io.SEAL_DONE
 
 
 def align_up(n: int) -> int:
@@ -63,8 +70,8 @@ class OpenFile:
 class IOEngine:
     """A pool of I/O threads; every call blocks until its whole batch is done."""
 
-    def __init__(self, threads: int = 4, chunk_bytes: int = 4 << 20):
-        self._eng = _io.IoEngine(max(1, int(threads)), int(chunk_bytes))
+    def __init__(self, threads: int = 4, chunk_bytes: int = 4 << 20, write_depth: int = 2):
+        self._eng = _io.IoEngine(max(1, int(threads)), int(chunk_bytes), max(1, int(write_depth)))
 
     @property
     def threads(self) -> int:
@@ -89,6 +96,29 @@ class IOEngine:
         if err or done != length:
             err = err or 5  # EIO for a short write without an errno
             raise OSError(err, os.strerror(err), path)
+
+    def submit_write(self, fd: int, offset: int, buf, buf_offset: int, length: int) -> int:
+        """Queues one write for the engine's writer threads (write_depth of them issue the
+        queue in order, without coming back to Python between writes) and returns a
+        ticket for wait_write. `buf` must stay alive and unchanged until then."""
+        return self._eng.submit_write(fd, offset, buf, buf_offset, length)
+
+    def wait_write(self, ticket: int, length: int, path: str = "") -> None:
+        """Waits for a submit_write; raises OSError (ENOSPC, EIO for a short write, ...)
+        if it did not write all `length` bytes."""
+        done, err = self._eng.wait_write(ticket)
+        if err or done != length:
+            err = err or 5
+            raise OSError(err, os.strerror(err), path)
+
+    def seal_file(self, fd: int, first_ticket: int, last_ticket: int, durable: bool, tmp: str, dst: str,
+                  directory: str) -> tuple[int, int]:
+        """Waits for the submit_writes up to last_ticket; unless one of first_ticket..
+        last_ticket failed: fdatasync(fd) (durable), rename(tmp, dst), fsync(directory)
+        (durable), all without coming back to Python. Returns (errno, step): errno 0 when
+        every step succeeded, else the step it failed at (SEAL_WRITES, SEAL_SYNC,
+        SEAL_RENAME, SEAL_DIR_SYNC); dst exists once step > SEAL_RENAME."""
+        return self._eng.seal_file(fd, first_ticket, last_ticket, durable, tmp, dst, directory)
 
     def encode_records(self, buf, specs: list) -> None:
         """Writes records into buf on the engine's threads: specs [(offset, head, token ids,

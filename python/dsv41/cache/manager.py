@@ -639,6 +639,7 @@ class _BackgroundCommitter:
         self.store = store
         self._wake = threading.Event()
         self._stopping = False
+        self._last = None  # the ticket of the last commit this thread started
         self._thread = threading.Thread(target=self._run, name="dsv41-cache-commit", daemon=True)
         self._thread.start()
         # At interpreter exit a cache nobody closed stops its thread and commits what is
@@ -656,7 +657,13 @@ class _BackgroundCommitter:
             if self._stopping:
                 return  # the store's close() commits what is left
             try:
-                self.store.commit()  # I/O errors degrade the tier inside; this is for bugs
+                # Sealing (fsync, rename) goes on in the store's sealer thread while this
+                # thread waits for the next batch; flush() waits for it. Waiting for the
+                # previous ticket only after starting the next keeps that overlap.
+                ticket = self.store.commit_async()
+                last, self._last = self._last, ticket
+                if last is not None:
+                    last.result()  # I/O errors degrade the tier inside; this is for bugs
             except Exception:  # noqa: BLE001 - a background thread must not die silently
                 log.exception("background commit of the SSD tier failed")
 

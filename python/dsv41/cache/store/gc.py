@@ -27,6 +27,7 @@ def gc(store: PersistentStore, *, low_water: float = 0.9, compact_dead_fraction:
     report = {"expired": 0, "evicted": 0, "segments_deleted": 0, "segments_compacted": 0,
               "bytes_before": 0, "bytes_after": 0, "corrupt_dropped": 0}
     with store._write_lock:
+        store._drain_seals()  # a segment being sealed checks its parents against the index
         report["bytes_before"] = store.file_bytes()
         now = store._now_ns()
         with store._lock:

@@ -28,6 +28,7 @@ collide. The first block of a chain has parent_id 0 and is matched on its exact 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -169,7 +170,12 @@ class PersistentStore:
         self._direct_seen: bool | None = None  # whether the filesystem took O_DIRECT
         self._gds_ok: bool | None = None
         self._gds_files: dict[bytes, object] = {}
-        self._chunk_writer = _writer.ChunkWriter()
+        # Chunk writes go to the engine's writer threads (submit_write); these are the ones
+        # in flight, oldest first: (ticket, staging item, bytes, segment), reaped in order.
+        self._in_flight: collections.deque = collections.deque()
+        self._reap_lock = threading.Lock()
+        self._sealer = _writer.SerialWorker("dsv41-store-seal")  # fsync, rename, publish, in order
+        self._unsealed_rids: set[int] = set()  # records of segments written, not yet sealed
 
         t0 = time.perf_counter()
         if self.path.exists() and not self.path.is_dir():
@@ -188,7 +194,14 @@ class PersistentStore:
             self._release_lock()
             raise
         if self.writable:
-            self._chunk_writer.start()  # ready before the first commit
+            # Ready before the first commit: the threads, and the staging buffers a segment
+            # cycles through (allocating and zeroing them is a once-per-store cost).
+            self._sealer.start()
+            # One allocation, sliced: from 2 MiB on it is backed by huge pages
+            # (io.AlignedBuffer), so each chunk write is one disk request.
+            W = _writer.WRITE_CHUNK
+            self._staging_pool, pool = _io.staging(W * _writer.STAGING_CHUNKS)
+            self._staging = [(pool[i * W: (i + 1) * W],) * 2 for i in range(_writer.STAGING_CHUNKS)]
         self.recovery_seconds = time.perf_counter() - t0
         self.metrics.recovery_seconds.set(self.recovery_seconds)
         self._update_gauges()
@@ -446,20 +459,41 @@ class PersistentStore:
 
     def commit(self) -> CommitResult:
         """Writes the queued records (segments of at most segment_bytes), makes them durable
-        (durability "fsync") and visible. Disk full or another I/O error degrades the tier:
-        the records are dropped with a warning and commits are skipped for a while; nothing
-        is raised."""
+        (durability "fsync") and visible, and returns when they are, and every commit
+        started before them too. Disk full or another I/O error degrades the tier: the
+        records are dropped with a warning and commits are skipped for a while; nothing is
+        raised."""
+        res = self.commit_async().result()
+        self._gc_if_over_capacity()
+        return res
+
+    def commit_async(self) -> _writer.CommitTicket:
+        """commit() that returns once the queued records are encoded and their writes
+        queued: the store's sealer thread makes them durable and visible in commit order,
+        while the caller goes on (the next commit's encoding overlaps this one's last
+        writes, fsync and rename). The ticket's result() waits for that; until then the
+        records are not acknowledged (a crash may lose them, never part of one)."""
         with self._write_lock:
+            self._gc_if_over_capacity()
             with self._lock:
                 pending, self._pending = self._pending, []
                 self._pending_bytes = 0
             try:
                 return _writer.commit_pending(self, pending)
-            finally:
-                # Only now are these records stored (or dropped): until here a put() may
-                # still name them as parents.
+            except BaseException:
                 with self._lock:
                     self._pending_rids.difference_update(p.rid for p in pending)
+                raise
+
+    def _drain_seals(self) -> None:
+        """Waits until every commit started so far is sealed (GC, repair and close change
+        what a sealing segment checks against)."""
+        if self.writable:
+            self._sealer.submit(lambda: None).result()
+
+    def _gc_if_over_capacity(self) -> None:
+        if self.capacity_bytes is not None and self.writable and self.file_bytes() > self.capacity_bytes:
+            self.gc()
 
     def _degrade(self, e: OSError, retry_after_s: float = 30.0) -> None:
         cause = "no_space" if e.errno in _NO_SPACE else "io_error"
@@ -573,8 +607,8 @@ class PersistentStore:
         if self.closed:
             return
         with self._write_lock:
-            if self._pending and self.writable:
-                self.commit()
+            if self.writable:
+                self.commit()  # what is queued, and waits for commits in flight
             self._journal.close(fsync=self.durability == "fsync")
             with self._lock:
                 for s in self._segs.values():
@@ -585,7 +619,7 @@ class PersistentStore:
                     os.close(fd)
                 self._fd_graveyard.clear()
                 self._gds_files.clear()
-            self._chunk_writer.stop()
+            self._sealer.stop()
             self._release_lock()
             self.closed = True
 

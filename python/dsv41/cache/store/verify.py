@@ -28,6 +28,7 @@ def verify(store: PersistentStore, progress: Callable[[int, int], None] | None =
     records are removed; without it they are only reported."""
     if repair:
         store._check_writable()
+        store._drain_seals()  # check what is committed, including commits still sealing
     with store._lock:
         recs = sorted(store._ix.recs.values(), key=lambda r: (r.seg.seq, r.offset))
         hashes = {r.rid: r.hash for r in recs}

@@ -9,6 +9,7 @@ brought into cache, so Python only packs the 256-byte heads.
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -25,20 +26,23 @@ from .index import SegmentFile, StoredRecord
 if TYPE_CHECKING:
     from .store import CommitResult, PendingRecord, PersistentStore
 
-__all__ = ["write_segment", "commit_pending", "ChunkWriter"]
+log = logging.getLogger("dsv41.cache.store")
 
-# One writer thread issues the chunk writes one after the other while the caller encodes
-# the next chunks: on the 2-core development VM (O_DIRECT on ext4) one sequential stream of
-# 1 MiB writes was the fastest raw method, and two or four writes in flight on one file were
-# 10-30% slower (ext4 serialises writes that extend a file; bench/bench_cache.py and a probe
-# of 1/2/4 writes in flight). The encoder runs up to 8 chunks ahead: on a shared machine
-# the encoding thread is sometimes descheduled for milliseconds, and the queue keeps the
-# disk busy meanwhile. Every staging chunk (header and footer included) fits one 1 MiB
-# staging buffer, so the store's buffer pool is reused, never reallocated.
-_WRITE_CHUNK = 1 << 20  # staging chunk: encoded while the ones before are written
-_IN_FLIGHT = 8          # chunks encoded ahead of the writer (queued or being written)
-_WRITER_THREADS = 1
-STAGING_CHUNKS = _IN_FLIGHT + 1  # staging buffers one segment cycles through (the store keeps them)
+__all__ = ["write_segment", "start_segment", "seal_segment", "commit_pending", "CommitTicket", "SerialWorker",
+           "ParentLost"]
+
+# The writer threads issue the chunk writes in order while the caller encodes the next
+# chunks. Chunks are 4 MiB slices of one huge-page-backed staging pool, so each goes to
+# the disk as one request: on the 2-core development VM (O_DIRECT on ext4, virtio) a
+# write's time follows the number of requests, and 4 MiB writes from huge pages moved
+# the same bytes in 0.6-0.8x the time of 1 MiB writes (docs/cache.md, "Write path").
+# The encoder runs up to 4 chunks (16 MiB) ahead: on a shared machine the encoding
+# thread is sometimes descheduled for milliseconds, and the queue keeps the disk busy
+# meanwhile. Every staging chunk (header and footer included) fits one staging slice, so
+# the store's buffer pool is reused, never reallocated.
+WRITE_CHUNK = 4 << 20  # staging chunk: encoded while the ones before are written
+IN_FLIGHT = 4          # chunks encoded ahead of the writer (queued or being written)
+STAGING_CHUNKS = IN_FLIGHT + 1  # staging buffers the writes cycle through (the store keeps them)
 
 
 class _Layout:
@@ -123,10 +127,70 @@ class _Layout:
         return out
 
 
+class ParentLost(Exception):
+    """A segment whose records' parent, outside it, was not stored after all (the segment
+    that held it failed, or it was deleted meanwhile): the segment is dropped, unpublished."""
+
+
+class Unsealed:
+    """A segment whose chunks are written (or queued for writing) under its temporary name:
+    neither durable nor visible until seal_segment()."""
+
+    __slots__ = ("tmp", "name", "f", "seg", "unreaped", "first_ticket", "last_ticket", "write_error", "new_recs",
+                 "file_bytes", "rids", "outside_parents", "raw")
+
+    def __init__(self, tmp, name, f, seg, raw: bool):
+        self.tmp, self.name, self.f, self.seg, self.raw = tmp, name, f, seg, raw
+        self.unreaped = 0  # its chunk writes not yet waited for
+        self.first_ticket = self.last_ticket = 0  # its chunk writes' tickets (submit_write)
+        self.write_error: OSError | None = None
+        self.new_recs: list[StoredRecord] = []
+        self.file_bytes = 0
+        self.rids: set[int] = set()
+        self.outside_parents: set[int] = set()  # parents of its records stored elsewhere
+
+    def abandon(self, store: PersistentStore) -> None:
+        """Lets its writes finish (their fd is about to close), closes and deletes it."""
+        while self.unreaped:
+            _reap_one(store)
+        if self.f.fd >= 0:
+            os.close(self.f.fd)
+            self.f.fd = -1
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
 def write_segment(store: PersistentStore, records: list, supersedes: list[bytes], raw: list | None = None) -> int:
-    """Writes one segment holding `records` (pending records to encode) or `raw` (already
-    encoded records, copied verbatim by compaction: list of (rec, view, offset)). Returns
-    the file size. On failure nothing is left behind and OSError is raised."""
+    """Writes, makes durable and publishes one segment: start_segment then seal_segment.
+    Returns the file size. On failure nothing is left behind and OSError is raised."""
+    return seal_segment(store, start_segment(store, records, supersedes, raw))
+
+
+def _reap_one(store: PersistentStore) -> None:
+    """Waits for the oldest chunk write in flight (the engine's writer threads issue them in
+    order), hands its staging buffer back and notes a failure on its segment. Called by
+    the committing thread (for a staging buffer) and the sealer (for its segment)."""
+    with store._reap_lock:
+        if not store._in_flight:
+            return
+        ticket, item, total, u = store._in_flight.popleft()
+        try:
+            store._eng.wait_write(ticket, total, str(u.tmp))
+        except OSError as e:
+            if u.write_error is None:
+                u.write_error = e
+        finally:
+            store._put_staging(item)
+            u.unreaped -= 1
+
+
+def start_segment(store: PersistentStore, records: list, supersedes: list[bytes], raw: list | None = None) -> Unsealed:
+    """Encodes one segment holding `records` (pending records to encode) or `raw` (already
+    encoded records, copied verbatim by compaction: list of (rec, view, offset)) and queues
+    its chunk writes under a temporary name. Returns before the writes are done; on
+    failure nothing is left behind and OSError is raised."""
     seq, uuid = store._next_seq, os.urandom(16)
     store._next_seq += 1
     name = sf.segment_name(seq, uuid)
@@ -146,19 +210,20 @@ def write_segment(store: PersistentStore, records: list, supersedes: list[bytes]
     trailer = sf.encode_trailer(sf.SegmentTrailer(uuid, footer_off, len(footer), lay.n, _io.crc32c(footer)))
     header = sf.encode_segment_header(sf.SegmentHeader(uuid, seq, time.time_ns(), store.identity.store_id,
                                                        lay.n, list(supersedes)))
-    chunks = lay.chunks(_WRITE_CHUNK, tail_size)
+    chunks = lay.chunks(WRITE_CHUNK, tail_size)
     f = store._eng.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, direct=store.direct)
-    published = False
-    in_flight: list = []  # (job, staging item) of the chunks being written, oldest first
+    u = Unsealed(tmp, name, f, SegmentFile(uuid, seq, name, 0), raw is not None)
     try:
-        seg = SegmentFile(uuid, seq, name, 0)
         heads = lay.heads
         offset = 0  # file offset of this chunk's write
         for ci, (first, end, size) in enumerate(chunks):
             lead = sf.PAGE if ci == 0 else 0  # the segment header
             trail = tail_size if ci == len(chunks) - 1 else 0  # footer and trailer
             total = lead + size + trail
-            # Encode this chunk while the ones before are being written.
+            # Encode this chunk while the ones before are being written (at most
+            # IN_FLIGHT of them, this segment's or an earlier one's still being sealed).
+            while len(store._in_flight) >= IN_FLIGHT:
+                _reap_one(store)
             item = store._get_staging(total)
             buf, view = item
             try:
@@ -181,60 +246,81 @@ def write_segment(store: PersistentStore, records: list, supersedes: list[bytes]
                     view[at: at + len(footer)] = np.frombuffer(footer, dtype=np.uint8)
                     view[at + fpad: at + tail_size] = np.frombuffer(trailer, dtype=np.uint8)
                     store._hook("footer")
-                fut = store._chunk_writer.submit(store._eng.write_all, f.fd, offset, buf, 0, total, str(tmp))
+                ticket = store._eng.submit_write(f.fd, offset, buf, 0, total)
             except BaseException:
                 store._put_staging(item)
                 raise
-            in_flight.append((fut, item))
-            if len(in_flight) > _IN_FLIGHT:
-                _retire(store, in_flight)
+            u.unreaped += 1
+            u.first_ticket = u.first_ticket or ticket
+            u.last_ticket = ticket
+            store._in_flight.append((ticket, item, total, u))
             offset += total
         # The index entries are built while the last chunks are being written.
-        new_recs = _stored_records(store, lay, seg, [r.hash for r, _, _ in raw] if raw is not None
-                                   else [p.block_hash for p in records])
-        while in_flight:
-            _retire(store, in_flight)
-        file_bytes = footer_off + tail_size
-        if store.durability == "fsync":
-            store._hook("fsync")
-            store._eng.fsync(f.fd, str(tmp))
-        os.close(f.fd)
-        f.fd = -1
-        store._hook("rename")
-        os.rename(tmp, store.path / name)
-        published = True
-        if store.durability == "fsync":
-            _files.fsync_dir(store.path)
+        u.new_recs = _stored_records(store, lay, u.seg, [r.hash for r, _, _ in raw] if raw is not None
+                                     else [p.block_hash for p in records])
+        u.file_bytes = footer_off + tail_size
+        if raw is None:
+            u.rids = {p.rid for p in records}
+            u.outside_parents = {p.parent for p in records if p.parent and p.parent not in u.rids}
+    except BaseException:
+        u.abandon(store)
+        raise
+    return u
+
+
+def seal_segment(store: PersistentStore, u: Unsealed) -> int:
+    """Waits for an Unsealed segment's writes, makes it durable (durability "fsync"),
+    renames it into place, fsyncs the directory and indexes its records. Returns the file
+    size. On failure nothing is left behind and OSError (or ParentLost) is raised.
+
+    The waits, fdatasync, rename and directory fsync are one engine call (seal_file):
+    this runs on the sealer thread while the committing thread runs Python, and every
+    time a thread gives up the GIL, getting it back can take a switch interval (5 ms);
+    one call per segment rather than one per step kept the disk from idling between
+    segments (bench/bench_cache.py store writes)."""
+    published = False
+    try:
+        if u.outside_parents:
+            with store._lock:
+                lost = [p for p in u.outside_parents if p not in store._ix.recs]
+            if lost:
+                raise ParentLost(f"parent record {lost[0]} is no longer stored")
+        store._hook("seal")
+        err, step = store._eng.seal_file(u.f.fd, u.first_ticket, u.last_ticket, store.durability == "fsync",
+                                         str(u.tmp), str(store.path / u.name), str(store.path))
+        published = step > _io.SEAL_RENAME
+        if err:
+            raise OSError(err, os.strerror(err), str(store.path if published else u.tmp))
+        while u.unreaped:  # done already: hands their staging buffers back
+            _reap_one(store)
+        if u.write_error is not None:  # the engine reported none, so this cannot happen
+            raise u.write_error
+        os.close(u.f.fd)
+        u.f.fd = -1
         store._hook("published")
     except BaseException:
-        for job, item in in_flight:  # let the writes finish before their fd is closed
-            try:
-                job.result()
-            except BaseException:
-                pass
-            store._put_staging(item)
-        if f.fd >= 0:
-            os.close(f.fd)
-        if not published:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        raise
-    seg.file_bytes = file_bytes
-    with store._lock:
-        store._segs[uuid] = seg
-        if raw is None:
-            store._ix.add_many(new_recs)  # fresh record ids: none is indexed yet
+        if published:
+            if u.f.fd >= 0:
+                os.close(u.f.fd)
+                u.f.fd = -1
         else:
-            for r in new_recs:
+            u.abandon(store)
+        raise
+    seg = u.seg
+    seg.file_bytes = u.file_bytes
+    with store._lock:
+        store._segs[seg.uuid] = seg
+        if not u.raw:
+            store._ix.add_many(u.new_recs)  # fresh record ids: none is indexed yet
+        else:
+            for r in u.new_recs:
                 old = store._ix.recs.get(r.rid)
                 if old is None:
                     continue  # deleted while being copied: stays deleted
                 store._ix.remove(old)
                 r.atime_ns = old.atime_ns
                 store._ix.add(r)
-    return file_bytes
+    return u.file_bytes
 
 
 def _stored_records(store: PersistentStore, lay: _Layout, seg: SegmentFile, hashes: list[bytes]) -> list[StoredRecord]:
@@ -249,34 +335,23 @@ def _stored_records(store: PersistentStore, lay: _Layout, seg: SegmentFile, hash
                 e["block_index"].tolist(), created, e["key_index"].tolist(), hashes)]
 
 
-def _retire(store: PersistentStore, in_flight: list) -> None:
-    """Waits for the oldest chunk write (raising its error) and recycles its staging."""
-    job, item = in_flight.pop(0)
-    try:
-        job.result()
-    finally:
-        store._put_staging(item)
+class SerialWorker:
+    """One daemon thread that runs submitted steps in order (a store's sealer). Not
+    concurrent.futures: that refuses new work once interpreter shutdown has begun, and a
+    cache commits its queued writes at exit. A thread that is gone (a forked child
+    inherits none) is started again."""
 
-
-class ChunkWriter:
-    """A store's writer thread(s): they write the queued chunks in order while the caller
-    encodes the next. Plain daemon threads, not concurrent.futures: that refuses new
-    work once interpreter shutdown has begun, and a cache commits its queued writes at exit.
-    Threads that are gone (a forked child inherits none) are started again."""
-
-    def __init__(self, threads: int = _WRITER_THREADS):
+    def __init__(self, name: str):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._n = threads
-        self._threads: list[threading.Thread] = []
+        self._name = name
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Starts the threads that are not running (a writable store does at open, so its
+        """Starts the thread if it is not running (a writable store does at open, so its
         first commit does not wait for a thread to start)."""
-        self._threads = [t for t in self._threads if t.is_alive()]
-        while len(self._threads) < self._n:
-            t = threading.Thread(target=self._run, name="dsv41-store-write", daemon=True)
-            t.start()
-            self._threads.append(t)
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
 
     def submit(self, fn, *args) -> "_Job":
         self.start()  # after a fork the child has none
@@ -297,11 +372,10 @@ class ChunkWriter:
             job.done.set()
 
     def stop(self) -> None:
-        for _ in self._threads:
+        if self._thread is not None and self._thread.is_alive():
             self._q.put(None)
-        for t in self._threads:
-            t.join()
-        self._threads = []
+            self._thread.join()
+        self._thread = None
 
 
 class _Job:
@@ -317,24 +391,40 @@ class _Job:
             raise self.error
 
 
-def _commit_result() -> CommitResult:
+class CommitTicket:
+    """A commit in flight (PersistentStore.commit_async): result() waits until its records
+    are durable and visible, or dropped, and returns the CommitResult."""
+
+    def __init__(self, res: CommitResult, rids: list[int]):
+        self.res = res
+        self.rids = rids
+        self._jobs: list[_Job] = []
+
+    def done(self) -> bool:
+        return all(j.done.is_set() for j in self._jobs)
+
+    def result(self) -> CommitResult:
+        for job in self._jobs:
+            job.result()  # a bug in a sealing step is raised here, not lost in the thread
+        return self.res
+
+
+def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> CommitTicket:
+    """Starts writing records taken from the queue (PersistentStore.commit_async holds the
+    write lock): segments of at most segment_bytes, parents before children. Each segment's
+    chunks are encoded and queued here; the store's sealer thread then makes it durable and
+    visible, segment after segment in commit order, while the caller goes on (the next
+    commit's encoding overlaps this one's last writes, fsync and rename). An I/O error
+    degrades the tier: the rest is dropped, nothing is raised."""
     from .store import CommitResult
-    return CommitResult()
-
-
-def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> CommitResult:
-    """Writes records taken from the queue (PersistentStore.commit holds the write lock):
-    segments of at most segment_bytes, parents before children, each published on its
-    own. An I/O error degrades the tier: the rest is dropped, nothing is raised."""
-    res = _commit_result()
-    if not pending:
-        return res
-    if store.degraded:
+    res = CommitResult()
+    ticket = CommitTicket(res, [p.rid for p in pending])
+    t0 = time.perf_counter()
+    if pending and store.degraded:
         res.dropped = [p.rid for p in pending]
         res.error = store.degraded_reason
         store.metrics.persist_failures.inc(cause="degraded")
-        return res
-    t0 = time.perf_counter()
+        pending = []
     groups, cur, cur_bytes = [], [], sf.PAGE * 3
     T, P = store.identity.block_tokens, store.identity.block_bytes
     padded_of: dict[int, int] = {}  # key length -> padded record bytes (put() fixed T and P)
@@ -347,15 +437,17 @@ def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> Comm
             cur, cur_bytes = [], sf.PAGE * 3
         cur.append(p)
         cur_bytes += padded + 128
-    groups.append(cur)
-    failed_at = None
+    if cur:
+        groups.append(cur)
     for gi, g in enumerate(groups):
         # A record whose parent is gone (dropped, or deleted since put) cannot be
-        # stored: the store holds whole prefixes only. Parents come before children.
+        # stored: the store holds whole prefixes only. Parents come before children; a
+        # parent in a segment still being sealed counts (seal_segment checks it made it).
         alive, ok_rids = [], set()
         with store._lock:
             for p in g:
-                if not p.parent or p.parent in store._ix.recs or p.parent in ok_rids:
+                if not p.parent or p.parent in store._ix.recs or p.parent in ok_rids \
+                        or p.parent in store._unsealed_rids:
                     alive.append(p)
                     ok_rids.add(p.rid)
                 else:
@@ -363,22 +455,51 @@ def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> Comm
         if not alive:
             continue
         try:
-            res.bytes_written += write_segment(store, alive, supersedes=[])
-            res.persisted += [p.rid for p in alive]
+            u = start_segment(store, alive, supersedes=[])
         except OSError as e:
-            failed_at = gi
             res.dropped += [p.rid for p in alive]
             store._degrade(e)
             res.error = store.degraded_reason
+            for rest in groups[gi + 1:]:
+                res.dropped += [p.rid for p in rest]
             break
-    if failed_at is not None:
-        for g in groups[failed_at + 1:]:
-            res.dropped += [p.rid for p in g]
-    store.metrics.ssd_commit_seconds.observe(time.perf_counter() - t0)
-    store.metrics.bytes_written.inc(res.bytes_written, tier="ssd")
-    store.metrics.inserted_blocks.inc(len(res.persisted), tier="ssd")
-    store._journal.flush()
-    if store.capacity_bytes is not None and store.file_bytes() > store.capacity_bytes:
-        store.gc()
+        with store._lock:
+            store._unsealed_rids |= u.rids
+        ticket._jobs.append(store._sealer.submit(_seal_into, store, u, res))
+    # Last in the sealer's queue: after every earlier commit's segments too, so a ticket
+    # that is done means everything committed before it is done as well.
+    ticket._jobs.append(store._sealer.submit(_commit_finished, store, ticket, t0))
+    return ticket
+
+
+def _seal_into(store: PersistentStore, u: Unsealed, res: CommitResult) -> None:
+    """The sealer thread's step for one segment of a commit."""
+    rids = [r.rid for r in u.new_recs]
+    try:
+        res.bytes_written += seal_segment(store, u)
+        res.persisted += rids
+    except ParentLost as e:
+        res.dropped += rids
+        log.warning("persistent store %s: a segment of %d records was not published: %s", store.path,
+                    len(rids), e)
+    except OSError as e:
+        res.dropped += rids
+        store._degrade(e)
+        res.error = store.degraded_reason
+    finally:
+        with store._lock:
+            store._unsealed_rids -= u.rids
+
+
+def _commit_finished(store: PersistentStore, ticket: CommitTicket, t0: float) -> None:
+    """The sealer thread's last step of a commit: metrics, the journal, and only now are
+    its records stored (or dropped): until here a put() may still name them as parents."""
+    res = ticket.res
+    with store._lock:
+        store._pending_rids.difference_update(ticket.rids)
+        store._journal.flush()
+    if ticket.rids:
+        store.metrics.ssd_commit_seconds.observe(time.perf_counter() - t0)
+        store.metrics.bytes_written.inc(res.bytes_written, tier="ssd")
+        store.metrics.inserted_blocks.inc(len(res.persisted), tier="ssd")
     store._update_gauges()
-    return res
