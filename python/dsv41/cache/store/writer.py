@@ -136,14 +136,13 @@ class Unsealed:
     """A segment whose chunks are written (or queued for writing) under its temporary name:
     neither durable nor visible until seal_segment()."""
 
-    __slots__ = ("tmp", "name", "f", "seg", "unreaped", "first_ticket", "last_ticket", "write_error", "new_recs",
-                 "file_bytes", "rids", "outside_parents", "raw")
+    __slots__ = ("tmp", "name", "f", "seg", "unreaped", "first_ticket", "last_ticket", "new_recs", "file_bytes",
+                 "rids", "outside_parents", "raw")
 
     def __init__(self, tmp, name, f, seg, raw: bool):
         self.tmp, self.name, self.f, self.seg, self.raw = tmp, name, f, seg, raw
         self.unreaped = 0  # its chunk writes not yet waited for
         self.first_ticket = self.last_ticket = 0  # its chunk writes' tickets (submit_write)
-        self.write_error: OSError | None = None
         self.new_recs: list[StoredRecord] = []
         self.file_bytes = 0
         self.rids: set[int] = set()
@@ -170,7 +169,7 @@ def write_segment(store: PersistentStore, records: list, supersedes: list[bytes]
 
 def _reap_one(store: PersistentStore) -> None:
     """Waits for the oldest chunk write in flight (the engine's writer threads issue them in
-    order), hands its staging buffer back and notes a failure on its segment. Called by
+    order) and hands its staging buffer back. Called by
     the committing thread (for a staging buffer) and the sealer (for its segment)."""
     with store._reap_lock:
         if not store._in_flight:
@@ -178,9 +177,8 @@ def _reap_one(store: PersistentStore) -> None:
         ticket, item, total, u = store._in_flight.popleft()
         try:
             store._eng.wait_write(ticket, total, str(u.tmp))
-        except OSError as e:
-            if u.write_error is None:
-                u.write_error = e
+        except OSError:
+            pass  # the engine keeps the failure for seal_file, which refuses the segment
         finally:
             store._put_staging(item)
             u.unreaped -= 1
@@ -293,8 +291,6 @@ def seal_segment(store: PersistentStore, u: Unsealed) -> int:
             raise OSError(err, os.strerror(err), str(store.path if published else u.tmp))
         while u.unreaped:  # done already: hands their staging buffers back
             _reap_one(store)
-        if u.write_error is not None:  # the engine reported none, so this cannot happen
-            raise u.write_error
         os.close(u.f.fd)
         u.f.fd = -1
         store._hook("published")
