@@ -145,7 +145,10 @@ void encode_records(IoEngine& eng, const py::buffer& buf, const py::list& specs)
 }
 
 // ops: [(fd, offset, length, buffer, buffer_offset,
-//        [(offset_in_op, padded, record_id, parent_id, block_index, hash, row), ...])]
+//        [(offset_in_op, padded, record_id, parent_id, block_index, hash, row[, parent_hash]), ...])]
+// parent_hash (optional): the block hash of the record the index holds under parent_id,
+// which the record's parent_hash must equal; None when the index holds none (status
+// "chain"); b"" or absent: not checked (a chain's first record).
 // tokens: uint32 [rows, T] or None; key: bytes or None; dst: uint8 [rows, payload] or None.
 // Returns [(bytes_read, errno, [record status, ...])].
 py::list read_records(IoEngine& eng, const py::list& ops, const py::object& tokens, const py::object& key,
@@ -179,7 +182,7 @@ py::list read_records(IoEngine& eng, const py::list& ops, const py::object& toke
   std::vector<std::string> hashes;  // keep the hash bytes alive while the GIL is released
   size_t n_records = 0;
   for (const auto& item : ops) n_records += item.cast<py::tuple>()[5].cast<py::list>().size();
-  hashes.reserve(n_records);
+  hashes.reserve(2 * n_records);
   for (const auto& item : ops) {
     auto t = item.cast<py::tuple>();
     if (t.size() != 6) throw std::invalid_argument("each op is (fd, offset, length, buffer, buffer_offset, records)");
@@ -207,6 +210,19 @@ py::list read_records(IoEngine& eng, const py::list& ops, const py::object& toke
       e.hash_bytes = static_cast<uint32_t>(hashes.back().size());
       e.payload_bytes = payload_bytes;
       const uint64_t row = rt[6].cast<uint64_t>();
+      if (rt.size() > 7) {
+        if (rt[7].is_none()) {
+          e.check_parent = true;
+        } else {
+          hashes.push_back(rt[7].cast<std::string>());
+          if (!hashes.back().empty()) {
+            if (hashes.back().size() > 32) throw std::invalid_argument("parent hash longer than 32 bytes");
+            e.check_parent = true;
+            e.parent_hash = reinterpret_cast<const uint8_t*>(hashes.back().data());
+            e.parent_hash_bytes = static_cast<uint32_t>(hashes.back().size());
+          }
+        }
+      }
       if (tok) {
         if (row >= tok_rows) throw std::out_of_range("token row out of range");
         e.tokens = tok + row * T;
@@ -381,7 +397,7 @@ void bind_io(py::module_& parent) {
   m.attr("FAULT_REFUSE_DIRECT_OPEN") = static_cast<uint32_t>(io::kFaultRefuseDirectOpen);
   m.attr("FAULT_REFUSE_DIRECT_IO") = static_cast<uint32_t>(io::kFaultRefuseDirectIo);
   m.attr("FAULT_NO_SPACE") = static_cast<uint32_t>(io::kFaultNoSpace);
-  m.attr("RECORD_STATUS") = py::make_tuple("ok", "truncated", "header", "checksum", "collision");
+  m.attr("RECORD_STATUS") = py::make_tuple("ok", "truncated", "header", "checksum", "collision", "chain");
   m.attr("SEAL_WRITES") = static_cast<int>(IoEngine::kSealWrites);
   m.attr("SEAL_SYNC") = static_cast<int>(IoEngine::kSealSync);
   m.attr("SEAL_RENAME") = static_cast<int>(IoEngine::kSealRename);
@@ -525,6 +541,27 @@ void bind_io(py::module_& parent) {
           return dsv41::crc32c_hw(crc, v.ptr, v.size);
         },
         py::arg("data"), py::arg("crc") = 0);
+  m.def("crc32c_fold",
+        [](const py::buffer& b, uint32_t crc) {
+          if (!crc32c_fold_available()) throw std::runtime_error("no AVX-512 VPCLMULQDQ on this CPU");
+          ByteView v = byte_view(b, false);
+          return dsv41::crc32c_fold(crc, v.ptr, v.size);
+        },
+        py::arg("data"), py::arg("crc") = 0);
+  // crc32c of src while copying it to dst (the path a verified read and a record encode
+  // take), by path: "best" (what they use), "fold", "hw".
+  m.def("crc32c_copy",
+        [](const py::buffer& dst, const py::buffer& src, uint32_t crc, const std::string& path) {
+          ByteView d = byte_view(dst, true), v = byte_view(src, false);
+          if (d.size < v.size) throw std::invalid_argument("dst is shorter than src");
+          if (path == "fold" && !crc32c_fold_available()) throw std::runtime_error("no AVX-512 VPCLMULQDQ on this CPU");
+          if (path == "hw" && !crc32c_hw_available()) throw std::runtime_error("no hardware CRC-32C on this CPU");
+          if (path == "fold") return dsv41::crc32c_fold_copy(crc, d.ptr, v.ptr, v.size);
+          if (path == "hw") return dsv41::crc32c_hw_copy(crc, d.ptr, v.ptr, v.size);
+          if (path != "best") throw std::invalid_argument("path is best, fold or hw");
+          return dsv41::crc32c_copy(crc, d.ptr, v.ptr, v.size);
+        },
+        py::arg("dst"), py::arg("src"), py::arg("crc") = 0, py::arg("path") = "best");
   m.def("crc32c_chunked",
         [](const py::buffer& b, int chunks) {
           ByteView v = byte_view(b, false);

@@ -24,16 +24,31 @@ int check(const uint8_t* rec, uint64_t avail, const Expect& e) {
       h.hash_bytes != e.hash_bytes || h.hash_bytes > 32 ||
       (e.hash_bytes && std::memcmp(h.block_hash, e.hash, e.hash_bytes) != 0))
     return kHeader;
-  const uint32_t data_crc = e.data_crc_known ? e.data_crc : crc32c(0, rec + kHeaderBytes, rb - kHeaderBytes);
-  if (data_crc != h.data_crc) return kChecksum;
-  if (e.tokens && (h.token_count != e.token_count ||
-                   std::memcmp(rec + kHeaderBytes, e.tokens, 4ull * e.token_count) != 0))
-    return kCollision;
-  if (e.key && (h.key_bytes != e.key_bytes ||
-                std::memcmp(rec + kHeaderBytes + 4ull * h.token_count, e.key, e.key_bytes) != 0))
-    return kCollision;
-  if (e.dst && !e.data_crc_known) std::memcpy(e.dst, rec + h.payload_offset, h.payload_bytes);
-  return kOk;
+  // The payload is copied to e.dst by the pass that checksums it (one pass over bytes the
+  // read just brought in, instead of a CRC pass and a copy pass).
+  const bool copy = e.dst && !e.data_crc_known;
+  const uint64_t po = h.payload_offset;
+  uint32_t data_crc = e.data_crc;
+  if (!e.data_crc_known) {
+    data_crc = crc32c(0, rec + kHeaderBytes, po - kHeaderBytes);
+    data_crc = copy ? crc32c_copy(data_crc, e.dst, rec + po, h.payload_bytes)
+                    : crc32c(data_crc, rec + po, h.payload_bytes);
+  }
+  int status = kOk;
+  if (data_crc != h.data_crc) {
+    status = kChecksum;
+  } else if (e.tokens && (h.token_count != e.token_count ||
+                          std::memcmp(rec + kHeaderBytes, e.tokens, 4ull * e.token_count) != 0)) {
+    status = kCollision;
+  } else if (e.key && (h.key_bytes != e.key_bytes ||
+                       std::memcmp(rec + kHeaderBytes + 4ull * h.token_count, e.key, e.key_bytes) != 0)) {
+    status = kCollision;
+  } else if (e.check_parent && (e.parent_hash == nullptr || e.parent_hash_bytes != h.hash_bytes ||
+                                std::memcmp(h.parent_hash, e.parent_hash, h.hash_bytes) != 0)) {
+    status = kChain;
+  }
+  if (status != kOk && copy) std::memset(e.dst, 0, h.payload_bytes);
+  return status;
 }
 
 uint64_t encode(uint8_t* rec, uint64_t room, const uint8_t* head, const uint32_t* tokens,
@@ -48,9 +63,9 @@ uint64_t encode(uint8_t* rec, uint64_t room, const uint8_t* head, const uint32_t
   std::memcpy(rec + kHeaderBytes, tokens, 4 * T);
   std::memcpy(rec + kHeaderBytes + 4 * T, key, K);
   std::memset(rec + kHeaderBytes + 4 * T + K, 0, po - (kHeaderBytes + 4 * T + K));
-  std::memcpy(rec + po, payload, P);
   std::memset(rec + rb, 0, padded - rb);
-  h.data_crc = crc32c(0, rec + kHeaderBytes, rb - kHeaderBytes);
+  // The payload is copied by the pass that checksums it.
+  h.data_crc = crc32c_copy(crc32c(0, rec + kHeaderBytes, po - kHeaderBytes), rec + po, payload, P);
   std::memcpy(rec, &h, sizeof(h));
   h.header_crc = crc32c(0, rec, 252);
   std::memcpy(rec + 252, &h.header_crc, 4);

@@ -7,8 +7,9 @@
 // GF(2) arithmetic that combines the CRCs of two adjacent pieces (the zlib crc32_combine
 // construction). The GPU computes a record's CRC as many chunk CRCs plus one combine pass;
 // the CPU tests run the same chunk-and-combine code against the plain CRC, so the device
-// path is checked by the host build. The fast host entry points (slice-by-8 and the SSE4.2
-// instruction, chosen at run time) are declared at the end and live in csrc/io/crc32c.cpp.
+// path is checked by the host build. The fast host entry points (slice-by-8, the SSE4.2
+// instruction and VPCLMULQDQ folding, chosen at run time) are declared at the end and live
+// in csrc/io/crc32c.cpp.
 #pragma once
 
 #include <cstddef>
@@ -85,9 +86,16 @@ uint32_t crc32c(uint32_t crc, const void* data, size_t n);     // fastest availa
 uint32_t crc32c_sw(uint32_t crc, const void* data, size_t n);  // slice-by-8, portable
 uint32_t crc32c_hw(uint32_t crc, const void* data, size_t n);  // needs crc32c_hw_available()
 bool crc32c_hw_available();
-// crc32c of src, copying its n bytes to dst in the same pass (dst must not overlap src).
+// AVX-512 VPCLMULQDQ folding (inputs of 256 bytes and more; shorter ones, or a CPU
+// without it, take crc32c_hw).
+uint32_t crc32c_fold(uint32_t crc, const void* data, size_t n);
+bool crc32c_fold_available();
+// crc32c of src, copying its n bytes to dst in the same pass (dst must not overlap src):
+// the fastest path, and each path by name (the tests compare them).
 uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n);
-const char* crc32c_backend();  // "sse4.2" or "slice-by-8"
+uint32_t crc32c_fold_copy(uint32_t crc, void* dst, const void* src, size_t n);
+uint32_t crc32c_hw_copy(uint32_t crc, void* dst, const void* src, size_t n);
+const char* crc32c_backend();  // "avx512-vpclmulqdq", "sse4.2" or "slice-by-8"
 const uint32_t* crc32c_byte_table();  // table_entry(0..255), for the chunked device code
 
 // The chunk-and-combine schedule the CUDA kernel uses, run on the host with the byte table:

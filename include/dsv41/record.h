@@ -57,6 +57,7 @@ enum Status : int {
   kHeader = 2,      // bad magic/version/header CRC, or not the record the index expects
   kChecksum = 3,    // data CRC mismatch: tokens, key or payload damaged
   kCollision = 4,   // intact, but its token ids or key are not the request's
+  kChain = 5,       // intact and the request's, but its parent hash is not its parent's
 };
 
 // What the index says a record is, and what the request expects of it. tokens/key may be
@@ -74,6 +75,13 @@ struct Expect {
   const uint8_t* key = nullptr;
   uint32_t key_bytes = 0;
   uint8_t* dst = nullptr;
+  // The chain link (check_parent): the record's parent_hash must be the block hash of the
+  // record the index holds under parent_id (parent_hash, parent_hash_bytes; null when the
+  // index holds no such record, which fails the check). Two stores merged into one
+  // directory reuse record ids: ids alone must never continue a chain.
+  bool check_parent = false;
+  const uint8_t* parent_hash = nullptr;
+  uint32_t parent_hash_bytes = 0;
   // Records read into device memory: only the head (header, token ids, key) is on the host
   // at `rec`; the data CRC was computed on the device and the payload stays there.
   bool data_crc_known = false;
@@ -81,12 +89,14 @@ struct Expect {
 };
 
 // Checks the record at `rec` (`avail` bytes were read there) and, when it is the expected
-// intact record, copies its payload to e.dst. Returns a Status. With e.data_crc_known the
+// intact record, copies its payload to e.dst (in the same pass as its CRC; a record that
+// fails a check after the copy leaves e.dst zeroed, never holding unverified bytes).
+// Returns a Status. With e.data_crc_known the
 // data CRC is taken from e.data_crc and only the head of the record is read from `rec`.
 int check(const uint8_t* rec, uint64_t avail, const Expect& e);
 
-// Writes one record at `rec` (`room` bytes there) in one pass, so the data CRC runs over
-// bytes the copy just brought into cache: the header `head` (256 bytes, its geometry
+// Writes one record at `rec` (`room` bytes there) in one pass (the payload is checksummed
+// by the pass that copies it): the header `head` (256 bytes, its geometry
 // fields filled, CRC fields ignored), the token ids, the key, zeros up to payload_offset,
 // the payload, zeros up to the next multiple of 4096; then data_crc and header_crc.
 // Returns the padded size, or 0 (nothing written) when the header's geometry is

@@ -283,4 +283,5 @@ def test_a_record_of_another_store_never_continues_a_chain(tmp_path, out_kind):
             out = torch.zeros((3, LAYOUT.block_bytes), dtype=torch.uint8)
         got = st.load(key(), hashes, rows, out)
         assert len(got) == 2 and rid not in st  # served a's two blocks, dropped the impostor
+        assert not bool(out[2].any())  # the impostor's payload never stays in its row
         assert st.metrics.checksum_failures.value(kind="chain") == 1

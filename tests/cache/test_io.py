@@ -20,8 +20,34 @@ VECTORS = [(b"123456789", 0xE3069283), (bytes(32), 0x8A9136AA), (b"\xff" * 32, 0
 @pytest.mark.parametrize("data, want", VECTORS)
 def test_crc32c_vectors(data, want):
     assert io.crc32c(data) == want and io.crc32c_sw(data) == want
-    if _C.io.crc32c_backend() == "sse4.2":
+    if _C.io.crc32c_backend() in ("sse4.2", "avx512-vpclmulqdq"):
         assert _C.io.crc32c_hw(data) == want
+    if _C.io.crc32c_backend() == "avx512-vpclmulqdq":
+        assert _C.io.crc32c_fold(data) == want
+
+
+FOLD = _C.io.crc32c_backend() == "avx512-vpclmulqdq"
+
+
+@pytest.mark.skipif(not FOLD, reason="the CPU has no AVX-512 VPCLMULQDQ")
+def test_crc32c_folding_and_fused_copies_agree_with_slice_by_8_everywhere():
+    """The folding path (256 bytes and more) and the copy-while-checksumming paths a
+    verified read and a record encode take, at every length around their block sizes
+    (16, 64, 256 bytes) and at odd alignments, continuing from a nonzero CRC."""
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, 200_000, dtype=np.uint8)
+    lengths = list(range(0, 1100)) + [4095, 4096, 4097, 56_960, 61_440, 131_071, 199_000]
+    for start in (0, 1, 5, 8, 63):
+        for n in lengths:
+            piece = data[start:start + n]
+            seed = 0 if n % 2 else 0x9E3779B9
+            ref = io.crc32c_sw(piece, seed)
+            assert _C.io.crc32c_fold(piece, seed) == ref and io.crc32c(piece, seed) == ref, (start, n)
+            if n % 7 == 0 or n > 1000:
+                for path in ("best", "fold", "hw"):
+                    dst = np.zeros(n + 16, np.uint8)
+                    assert _C.io.crc32c_copy(dst[3:3 + n], piece, seed, path) == ref, (start, n, path)
+                    assert np.array_equal(dst[3:3 + n], piece) and not dst[:3].any() and not dst[3 + n:].any()
 
 
 def test_crc32c_paths_agree_on_odd_lengths_and_alignments():
@@ -142,7 +168,7 @@ def test_copies_and_buffers():
 
 def test_io_info_reports_the_active_path():
     info = io.io_info()
-    assert info["backend"] in ("posix", "gds") and info["crc32c"] in ("sse4.2", "slice-by-8")
+    assert info["backend"] in ("posix", "gds") and info["crc32c"] in ("avx512-vpclmulqdq", "sse4.2", "slice-by-8")
     if not torch.cuda.is_available():
         assert info["backend"] == "posix" and not info["gds_available"] and info["gds_detail"]
 

@@ -345,6 +345,23 @@ def _flip(path, offset):
         f.write(bytes([b[0] ^ 0x5A]))
 
 
+def test_a_row_whose_record_fails_holds_no_unverified_bytes(tmp_path):
+    """The host read copies a payload into its row in the pass that checksums it; a record
+    that then fails its CRC leaves its row zeroed, never holding the damaged bytes."""
+    rng = np.random.default_rng(5)
+    t = rand_tokens(rng, 3 * B)
+    with open_store(tmp_path) as st:
+        hashes, rids, pays = write_chain(st, t, key())
+        info = st.record_info(rids[1])
+        po = sf.record_geometry(B, len(key()), LAYOUT.block_bytes)[0]
+        _flip(tmp_path / info["segment"], info["offset"] + po + 100)
+        out = np.full((3, LAYOUT.block_bytes), 0xAB, np.uint8)
+        got = st.load(key(), hashes, token_rows(t, 3), out)
+        assert got == rids[:1] and np.array_equal(out[0], pays[0])
+        assert not out[1].any()  # the flipped payload was copied, then cleared
+        assert st.metrics.checksum_failures.value(kind="checksum") == 1
+
+
 def test_random_byte_flips_are_detected_counted_and_never_served(tmp_path):
     seqs = _store_with_chains(tmp_path, n_chains=8)
     rng = np.random.default_rng(7)

@@ -1,10 +1,11 @@
 """Verified reads: records read whole and checked before their payload is used.
 
 Host path (read_checked): O_DIRECT reads into aligned staging; each record is checked in
-the I/O worker that read it (C++, dsv41/record.h). Device path (read_into): cuFile reads
-into device memory, CRCs computed there, heads checked on the host by the same C++ check.
-Both group records back to back in one segment into one I/O (group_records), and both
-check the parent link (check_parents). A failed record is removed (settle).
+the I/O worker that read it (C++, dsv41/record.h), its parent link included, and its
+payload copied out by the pass that checksums it. Device path (read_into): cuFile reads
+into device memory, CRCs computed there, heads checked on the host by the same C++ check,
+the parent link by check_parents. Both group records back to back in one segment into one
+I/O (group_records). A failed record is removed (settle).
 """
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ from .index import SegmentFile
 if TYPE_CHECKING:
     from .store import PersistentStore
 
-__all__ = ["load", "read", "read_checked", "read_into", "check_parents", "check_parents_many", "settle",
+__all__ = ["load", "read", "read_checked", "read_into", "check_parents", "settle",
            "group_records"]
 
 log = logging.getLogger("dsv41.cache.store")
 
 READ_BATCH = 64 << 20  # payload bytes one load() reads per call
-GROUP_BYTES = 512 << 10  # contiguous records read by one op (several ops keep every I/O thread busy)
-RECORD_STATUS = _io.RECORD_STATUS  # "ok", "truncated", "header", "checksum", "collision"
+GROUP_BYTES = 1 << 20  # contiguous records read by one op (see the note below)
+RECORD_STATUS = _io.RECORD_STATUS  # "ok", "truncated", "header", "checksum", "collision", "chain"
 
 
 def group_records(recs: list, status: list[str], usable: Callable[[SegmentFile], bool] = lambda seg: True) -> list[list]:
@@ -53,36 +54,52 @@ def group_records(recs: list, status: list[str], usable: Callable[[SegmentFile],
 
 
 def read_checked(store: PersistentStore, recs: list, tokens: np.ndarray | None, key: bytes | None,
-                  out: np.ndarray | None) -> tuple[list[str], tuple, dict[int, int]]:
+                  out: np.ndarray | None, links: bool = False) -> tuple[list[str], tuple, dict[int, int]]:
     """Reads records (None entries are "missing") and checks each one in the I/O worker
-    that read it (dsv41/record.h): header and data CRC, identity against the index,
-    then token ids (row i of tokens) and key when given; verified payloads go to row i
-    of out. Returns (statuses, the staging buffer item, record index -> its offset in
-    the staging buffer). The caller must _put_staging(item)."""
+    that read it (dsv41/record.h): header and data CRC, identity against the index, then
+    token ids (row i of tokens) and key when given, and with `links` the link to its
+    parent (what check_parents checks, in C++: the parent's block hash goes with each
+    record). Verified payloads go to row i of out, copied by the pass that checksums them.
+    Returns (statuses, the staging buffer item, record index -> its offset in the staging
+    buffer). The caller must _put_staging(item)."""
     status = ["ok"] * len(recs)
     fds: dict[bytes, int | None] = {}
+    parent_hash: list[bytes | None] = []
     with store._lock:
+        get = store._ix.recs.get
         for r in recs:
-            if r is not None and r.seg.uuid not in fds:
+            if r is None:
+                parent_hash.append(b"")
+                continue
+            if r.seg.uuid not in fds:
                 try:
                     fds[r.seg.uuid] = store._seg_fd(r.seg)
                 except (FileNotFoundError, OSError):  # gone, or a link/FIFO in its place
                     fds[r.seg.uuid] = None
+            if not links or not r.parent:
+                parent_hash.append(b"")  # not asked, or a chain's first record: no link to check
+            else:
+                p = get(r.parent)
+                parent_hash.append(None if p is None else p.hash)
     groups = group_records(recs, status, lambda seg: fds[seg.uuid] is not None)
     item = store._get_staging(sum(g[2] for g in groups))
     buf = item[0]
     ops, where, pos = [], {}, 0
     for g in groups:
+        base = g[1]
         specs = []
         for i in g[3]:
             r = recs[i]
-            rel = r.offset - g[1]
-            where[i] = pos + rel
-            specs.append((rel, r.padded, r.rid, r.parent, r.block_index, r.hash, i))
-        ops.append((fds[g[0].uuid], g[1], g[2], buf, pos, specs))
+            where[i] = pos + r.offset - base
+            specs.append((r.offset - base, r.padded, r.rid, r.parent, r.block_index, r.hash, i, parent_hash[i]))
+        ops.append((fds[g[0].uuid], base, g[2], buf, pos, specs))
         pos += g[2]
-    results = store._eng._eng.read_records(ops, tokens, key, None if out is None else out.reshape(-1),
-                                          store.identity.block_bytes)
+    try:
+        results = store._eng._eng.read_records(ops, tokens, key, None if out is None else out.reshape(-1),
+                                              store.identity.block_bytes)
+    except BaseException:
+        store._put_staging(item)
+        raise
     for g, (done, err, codes) in zip(groups, results):
         for i, code in zip(g[3], codes):
             if code != 0 and err and code == 1:  # short because the read failed
@@ -106,31 +123,6 @@ def check_parents(store: PersistentStore, recs: list, status: list[str], header:
             h = header(i)
             if p is None or bytes(h["parent_hash"])[: int(h["hash_bytes"])] != p.hash:
                 status[i] = "chain"
-
-
-def check_parents_many(store: PersistentStore, recs: list, status: list[str], rows: list[int],
-                       heads: np.ndarray | None) -> None:
-    """check_parents for records `rows` (each "ok", with a parent) whose verified headers
-    are heads[k] (REC_DTYPE), compared all at once: the first hash_bytes bytes of each
-    parent_hash against the block hash of the parent the index holds."""
-    if not rows:
-        return
-    with store._lock:
-        get = store._ix.recs.get
-        parents = [get(recs[i].parent) for i in rows]
-    if any(p is None for p in parents):  # rare (a parent deleted meanwhile): one at a time
-        bad = [p is None or bytes(h["parent_hash"])[: int(h["hash_bytes"])] != p.hash
-               for p, h in zip(parents, heads)]
-    else:
-        n = len(rows)
-        want = np.frombuffer(b"".join(p.hash.ljust(32, b"\0") for p in parents), np.uint8).reshape(n, 32)
-        got = np.ascontiguousarray(heads["parent_hash"]).view(np.uint8).reshape(n, 32)
-        hb = heads["hash_bytes"].astype(np.int64)
-        plen = np.fromiter((len(p.hash) for p in parents), np.int64, n)
-        bad = (((got != want) & (np.arange(32) < hb[:, None])).any(axis=1) | (plen != hb)).tolist()
-    for k, b in enumerate(bad):
-        if b:
-            status[rows[k]] = "chain"
 
 
 def settle(store: PersistentStore, rids, recs, status, t0) -> None:
@@ -268,7 +260,8 @@ def read(store: PersistentStore, rids: list[int], tokens: np.ndarray | None, key
 
     Returns one status per record: "ok", "collision" (intact but another prefix: token
     ids or key differ), or the failure that removed it: "missing", "truncated",
-    "header", "checksum", "io". With tokens None the token ids are not compared.
+    "header", "checksum", "io", "chain" (its parent hash is not its parent's block hash).
+    With tokens None the token ids are not compared.
     """
     if not rids:
         return []
@@ -284,14 +277,8 @@ def read(store: PersistentStore, rids: list[int], tokens: np.ndarray | None, key
         recs = [store._ix.recs.get(rid) for rid in rids]
         store._active_reads += 1
     try:
-        status, item, where = read_checked(store, recs, tokens, key, out)
-        # The verified heads of the records that passed, gathered in one step.
-        ok = [i for i in range(len(recs)) if status[i] == "ok" and recs[i].parent]
-        if ok:
-            at = np.fromiter((where[i] for i in ok), np.int64, len(ok))
-            heads = item[1][at[:, None] + np.arange(sf.REC_HEADER_BYTES)].view(sf.REC_DTYPE).reshape(-1)
-        store._put_staging(item)
-        check_parents_many(store, recs, status, ok, heads if ok else None)
+        status, item, _ = read_checked(store, recs, tokens, key, out, links=True)
+        store._put_staging(item)  # the verified payloads are in out already
     finally:
         store._end_read()
     settle(store, rids, recs, status, t0)
