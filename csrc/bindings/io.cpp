@@ -394,6 +394,7 @@ at::Tensor crc32c_device(const at::Tensor& data, const at::Tensor& offsets, cons
 void bind_io(py::module_& parent) {
   py::module_ m = parent.def_submodule("io", "dsv41's I/O engine (csrc/io)");
   m.attr("ALIGN") = io::kAlign;
+  m.attr("HUGE_BYTES") = io::kHugeBytes;
   m.attr("FAULT_REFUSE_DIRECT_OPEN") = static_cast<uint32_t>(io::kFaultRefuseDirectOpen);
   m.attr("FAULT_REFUSE_DIRECT_IO") = static_cast<uint32_t>(io::kFaultRefuseDirectIo);
   m.attr("FAULT_NO_SPACE") = static_cast<uint32_t>(io::kFaultNoSpace);

@@ -24,8 +24,11 @@ namespace io {
 AlignedBuffer::AlignedBuffer(size_t size) : size_(size) {
   void* p = nullptr;
   // A zero-byte request still gets one page so data() is a valid aligned pointer.
-  const size_t bytes = align_up(size ? size : 1);
+  size_t bytes = align_up(size ? size : 1);
   const bool huge = bytes >= kHugeBytes;
+  // Whole huge pages: a 3.75 MiB buffer would otherwise end in 1.75 MiB of 4 KiB pages,
+  // and a 1 MiB read into that part goes to the disk as two requests.
+  if (huge) bytes = (bytes + kHugeBytes - 1) / kHugeBytes * kHugeBytes;
   if (posix_memalign(&p, huge ? kHugeBytes : kAlign, bytes) != 0) throw std::bad_alloc();
   // Before the memset touches the pages, so they are faulted in as huge pages. A kernel
   // without transparent huge pages says no; the buffer works the same, only scattered.

@@ -36,8 +36,8 @@ constexpr size_t kAlign = 4096;
 inline bool is_aligned(uint64_t v) { return v % kAlign == 0; }
 inline uint64_t align_up(uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-// Buffers of kHugeBytes or more start on a kHugeBytes boundary and are advised for
-// transparent huge pages (madvise, where the kernel offers them). An O_DIRECT request
+// Buffers of kHugeBytes or more start on a kHugeBytes boundary, span whole kHugeBytes
+// pages (their size rounded up) and are advised for transparent huge pages (madvise, where the kernel offers them). An O_DIRECT request
 // carries at most the queue's max_segments runs of physically contiguous memory (254 on
 // the development VM's virtio disk): 1 MiB from scattered 4 KiB pages is 256 runs and
 // goes out as two requests, from a huge page as one, and 4 MiB as one request too. On

@@ -309,7 +309,7 @@ class PersistentStore:
             for i, (buf, view) in enumerate(self._staging):
                 if buf.size >= size:
                     return self._staging.pop(i)
-        return _io.staging(max(size, 1 << 20))
+        return _io.staging(max(size, _io.HUGE_BYTES))  # huge-page backed: one disk request per 1 MiB read
 
     def _put_staging(self, item) -> None:
         with self._lock:
