@@ -63,6 +63,7 @@ class AlignedBuffer {
  private:
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
+  size_t mapped_ = 0;  // bytes of its own mapping (huge-page buffers), else 0 (malloc'ed)
   bool pinned_ = false;
 };
 
