@@ -163,11 +163,10 @@ def bench_io(args, servers, model_config, payloads: np.ndarray, label: str) -> d
             for bi, s in enumerate(range(0, n, args.batch)):
                 e = min(n, s + args.batch)
 
-                def tier_put():  # records (header, CRC-32C) through the guard, as the writer does
+                def tier_put():  # records (header, CRC-32C) through the guard, as the writer does (_put_blocks)
                     t0 = time.perf_counter()
-                    items = c.remote.block_values(key, ns, hashes, tok, range(s, e), payloads, 0, root,
-                                                  parts=be.takes_parts)
-                    guard.call("put", 10.0, items)
+                    keys, batch = c.remote.block_batch(key, ns, hashes, tok, range(s, e), payloads, 0, root)
+                    guard.call("put_records", 10.0, keys, batch)
                     res["tier_put_s"].append(time.perf_counter() - t0)
                 def raw_put(name, f):   # the raw client, the bare payload rows
                     t0 = time.perf_counter()
