@@ -275,3 +275,75 @@ def test_cxx_encode_and_verify_match_the_reference_at_any_size(nbytes):
     bad[2] = bad[2][:-1] + bytes([bad[2][-1] ^ 0x80])
     rows, status = verify_records(bad, **args)
     assert status == "corrupt" and np.array_equal(rows, pay[:2])
+
+
+def test_redis_send_gathers_chunks_and_resumes_partial_sends():
+    """_send (the Redis backend's pipeline send): every byte of every chunk in order, with
+    sendmsg sending only part of what it is given, more chunks than one sendmsg takes,
+    memoryviews of other formats and empty chunks; a socket timeout is redis.TimeoutError,
+    another socket error redis.ConnectionError; a TLS socket gets sendall per chunk."""
+    import socket
+    import ssl
+
+    import redis
+
+    from dsv41.cache.remote.redis import _IOV_MAX, _send
+
+    class Trickle:
+        """sendmsg takes at most `most` bytes per call and records what it got."""
+
+        def __init__(self, most, fail=None):
+            self.most, self.got, self.calls, self.fail = most, bytearray(), [], fail
+
+        def sendmsg(self, bufs):
+            if self.fail:
+                raise self.fail
+            assert len(bufs) <= _IOV_MAX
+            self.calls.append(len(bufs))
+            take = self.most
+            for b in bufs:
+                part = bytes(b[:take])
+                self.got += part
+                take -= len(part)
+                if not take:
+                    break
+            return self.most - take
+
+    g = np.random.default_rng(0)
+    chunks = [bytearray(b"*3\r\n"), memoryview(g.integers(0, 256, 70000, dtype=np.uint8)), b"",
+              memoryview(np.arange(10, dtype=np.uint32)), b"tail"] + [bytes([i % 256]) * 7 for i in range(2500)]
+    want = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
+    for most in (1, 1000, 65536, 1 << 30):
+        s = Trickle(most)
+        _send(s, chunks)
+        assert bytes(s.got) == want, most
+    s = Trickle(1 << 30)
+    _send(s, chunks)
+    assert s.calls == [_IOV_MAX, _IOV_MAX, len(chunks) - 1 - 2 * _IOV_MAX]   # the empty chunk is not sent
+    with pytest.raises(redis.TimeoutError):
+        _send(Trickle(10, fail=socket.timeout("timed out")), chunks)
+    with pytest.raises(redis.ConnectionError):
+        _send(Trickle(10, fail=ConnectionResetError(104, "reset")), chunks)
+
+    class Tls(ssl.SSLSocket):   # no sendmsg on TLS: one sendall per chunk
+        def __init__(self):
+            self.got = bytearray()
+
+        def sendall(self, data):
+            self.got += bytes(memoryview(data).cast("B"))
+
+    t = Tls()
+    _send(t, chunks)
+    assert bytes(t.got) == want
+    a, b = socket.socketpair()   # and through a real socket, read on the other side meanwhile
+    try:
+        got = bytearray()
+        reader = threading.Thread(target=lambda: [got.extend(x) for x in iter(lambda: b.recv(1 << 16), b"")])
+        reader.start()
+        _send(a, chunks)
+        a.shutdown(socket.SHUT_WR)
+        reader.join(10)
+        assert bytes(got) == want
+    finally:
+        a.close()
+        b.close()
