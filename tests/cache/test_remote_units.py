@@ -347,3 +347,89 @@ def test_redis_send_gathers_chunks_and_resumes_partial_sends():
     finally:
         a.close()
         b.close()
+
+
+def _serve(reply: bytes, pieces: int, seed: int = 0, stall: bool = False):
+    """A socket whose peer (a thread) writes `reply` in `pieces` random pieces, then stays
+    open (stall: stops after the first piece without closing)."""
+    import socket
+
+    a, b = socket.socketpair()
+    cuts = sorted(np.random.default_rng(seed).choice(np.arange(1, len(reply)), size=min(pieces, len(reply)) - 1,
+                                                     replace=False).tolist()) if pieces > 1 else []
+    parts = [reply[i:j] for i, j in zip([0] + cuts, cuts + [len(reply)])]
+
+    def feed():
+        for p in parts[:1] if stall else parts:
+            b.sendall(p)
+            time.sleep(0)
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    return a, b, t
+
+
+def test_redis_mget_reply_is_read_into_rows_in_any_pieces():
+    """_read_mget_into (Redis get_into): values land in their rows whatever pieces the reply
+    arrives in (one byte at a time included, values across the 64 KiB buffer's edge);
+    a missing key (RESP2 $-1, RESP3 _) and an empty value read as 0, a value longer than a
+    row as -1 with the values after it still read; an error reply, a malformed one, a
+    closed connection and a stalled server past the deadline raise."""
+    import redis
+
+    from dsv41.cache.remote.redis import _read_mget_into
+
+    g = np.random.default_rng(1)
+    width = 70000
+    vals = [g.bytes(n) for n in (5, 65530, 65536 - 9, width, 3 * 4096)] + [None, b"", g.bytes(width + 1), None,
+                                                                           g.bytes(100)]
+    body = b"".join(b"$-1\r\n" if v is None else b"$%d\r\n%s\r\n" % (len(v), v) for v in vals)
+    reply = b"*%d\r\n" % len(vals) + body
+    want = [0 if v is None else -1 if len(v) > width else len(v) for v in vals]
+    for pieces, seed in ((1, 0), (7, 1), (300, 2), (3000, 3)):
+        a, b, t = _serve(reply, pieces, seed)
+        try:
+            rows = np.full((len(vals), width), 0xEE, dtype=np.uint8)
+            assert _read_mget_into(a, rows, len(vals), time.monotonic() + 10) == want, pieces
+            for i, (v, k) in enumerate(zip(vals, want)):
+                if k > 0:
+                    assert rows[i, :k].tobytes() == v
+        finally:
+            t.join(10)
+            a.close()
+            b.close()
+    small = b"*4\r\n_\r\n$3\r\nabc\r\n$0\r\n\r\n$9\r\n123456789\r\n"   # RESP3's null, an empty value
+    a, b, t = _serve(small, len(small))   # one byte at a time
+    rows = np.zeros((4, 8), dtype=np.uint8)
+    assert _read_mget_into(a, rows, 4, time.monotonic() + 10) == [0, 3, 0, -1] and rows[1, :3].tobytes() == b"abc"
+    t.join(10)
+    a.close()
+    b.close()
+    bad = {b"-ERR wrong number of arguments\r\n": redis.ResponseError,
+           b"*3\r\n$1\r\na\r\n$1\r\nb\r\n": redis.ConnectionError,             # another count (and then closed)
+           b"*1\r\n:5\r\n": redis.ConnectionError,                           # another type
+           b"*1\r\n$3\r\nabcXY": redis.ConnectionError,                      # no CRLF after the value
+           b"*1\r\n$3\r\nabc\r\n+extra\r\n": redis.ConnectionError,          # bytes after the reply
+           b"*2\r\n$3\r\nabc\r\n$100\r\nshort": redis.ConnectionError}       # closed inside a value
+    for reply, exc in bad.items():
+        n = 2 if reply.startswith(b"*2") else 1
+        a, b, t = _serve(reply, 3)
+        t.join(10)
+        if b"short" in reply or b"*3" in reply:
+            b.close()
+        try:
+            with pytest.raises(exc):
+                _read_mget_into(a, np.zeros((n, 200), dtype=np.uint8), n, time.monotonic() + 10)
+        finally:
+            a.close()
+            b.close()
+    a, b, t = _serve(reply, 2, stall=True)   # a server that stops answering: the socket's timeout
+    a.settimeout(0.2)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(redis.TimeoutError):
+            _read_mget_into(a, np.zeros((2, 200), dtype=np.uint8), 2, time.monotonic() + 10)
+        assert time.monotonic() - t0 < 2
+    finally:
+        a.close()
+        b.close()
