@@ -7,8 +7,9 @@ protocol (tcp), local_hostname (this host's address the storage processes can re
 default 127.0.0.1 for a loopback master, else the address that routes to the master),
 buffer_bytes (the client's transfer buffer, 64 MiB), segment_bytes (memory this process
 contributes, 0), staging_bytes (the most memory the block puts' registered staging buffer
-grows to, 64 MiB; a larger batch goes out in several transfers). Unless MC_TCP_BIND_ADDRESS is set, connect() sets it to local_hostname so
-this process's data port does not listen on every interface.
+grows to, 64 MiB; a larger batch goes out in several transfers). Unless
+MC_TCP_BIND_ADDRESS is set, connect() sets it to local_hostname so this process's data port
+does not listen on every interface.
 
 Semantics the tier relies on (seen with mooncake-transfer-engine 0.3.13): a put of an
 existing key keeps the first value; a missing key reads as b''; there is no TTL; a full
@@ -60,7 +61,8 @@ class MooncakeBackend(RemoteBackend):
         if u.scheme != "mooncake" or not u.hostname or not u.port:
             raise ValueError(f"expected mooncake://HOST:PORT (the master's RPC address), got {url!r}")
         q = {k: v[-1] for k, v in parse_qs(u.query).items()}
-        unknown = set(q) - {"metadata", "protocol", "local_hostname", "buffer_bytes", "segment_bytes", "staging_bytes"}
+        unknown = set(q) - {"metadata", "protocol", "local_hostname", "buffer_bytes", "segment_bytes",
+                            "staging_bytes"}
         if unknown:
             raise ValueError(f"{url!r}: unknown options {sorted(unknown)}")
         self.master = f"{u.hostname}:{u.port}"
@@ -135,11 +137,12 @@ class MooncakeBackend(RemoteBackend):
         """The records of a RecordBatch, encoded straight into the staging buffer registered
         with the client and sent from there with batch_put_from (batch_upsert_from when
         overwriting): the client's zero-copy put, with no buffer allocated, touched for the
-        first time or registered per call (on this box those cost as much as the transfer
-        of a v41-flash batch). Each key's return code is checked; -200 (no space) is
-        RemoteFull. A batch over staging_bytes goes out in staging-sized transfers. While
-        another put holds the staging buffer (one that outlived its deadline), and for a
-        value larger than staging_bytes, the records go through put() instead."""
+        first time or registered per call (allocating and first touching the 1.8 MB of 32
+        v41-flash records took ~0.8 ms here, a third of their transfer). Each key's return
+        code is checked; -200 (no space) is RemoteFull. A batch over staging_bytes goes out
+        in staging-sized transfers. While another put holds the staging buffer (one that
+        outlived its deadline), and for a value larger than staging_bytes, the records go
+        through put() instead."""
         n, rb = len(keys), batch.record_bytes
         if n != len(batch):
             raise ValueError(f"put_records: {n} keys for {len(batch)} values")
