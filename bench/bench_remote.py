@@ -82,7 +82,11 @@ def _cache(model_config, servers, block, weights_id="bench", **kw) -> PrefixCach
 
 
 def _alternate(i: int, tier, raws: list) -> None:
-    """Runs batch i of the tier and of each raw method back to back, rotating who goes first."""
+    """Runs turn i of the tier and of each raw method back to back, rotating who goes first.
+    i counts batches over the whole run, not within a repetition: with 2 batches per
+    repetition and 3 calls, a count per repetition put the tier first in every repetition's
+    first batch (right after the previous repetition's keys were removed) and one raw method
+    never first, so a cost of going first fell on the tier alone."""
     calls = [tier] + raws
     k = i % len(calls)
     for f in calls[k:] + calls[:k]:
@@ -152,6 +156,7 @@ def bench_io(args, servers, model_config, payloads: np.ndarray, label: str) -> d
         for op, methods in raw_ops.items():
             for name in methods:
                 res[f"raw_{op}_{name}_s"] = []
+        nbatch = len(range(0, n, args.batch))
         for rep in range(args.repeat + 1):
             ns = f"r{rep}"
             tok = np.random.default_rng(rep).integers(0, 30000, size=(n, block), dtype=np.uint32)
@@ -163,17 +168,17 @@ def bench_io(args, servers, model_config, payloads: np.ndarray, label: str) -> d
             for bi, s in enumerate(range(0, n, args.batch)):
                 e = min(n, s + args.batch)
 
-                def tier_put():  # records (header, CRC-32C) through the guard, as the writer does
+                def tier_put():  # records (header, CRC-32C) through the guard, as the writer does (_put_blocks)
                     t0 = time.perf_counter()
-                    items = c.remote.block_values(key, ns, hashes, tok, range(s, e), payloads, 0, root,
-                                                  parts=be.takes_parts)
-                    guard.call("put", 10.0, items)
+                    keys, batch = c.remote.block_batch(key, ns, hashes, tok, range(s, e), payloads, 0, root)
+                    guard.call("put_records", 10.0, keys, batch)
                     res["tier_put_s"].append(time.perf_counter() - t0)
                 def raw_put(name, f):   # the raw client, the bare payload rows
                     t0 = time.perf_counter()
                     f(raw_keys[name][s:e], s, e)
                     res[f"raw_put_{name}_s"].append(time.perf_counter() - t0)
-                _alternate(bi, tier_put, [(lambda name=name, f=f: raw_put(name, f)) for name, f in raw_ops["put"].items()])
+                _alternate(rep * nbatch + bi, tier_put,
+                           [(lambda name=name, f=f: raw_put(name, f)) for name, f in raw_ops["put"].items()])
             for bi, s in enumerate(range(0, n, args.batch)):
                 e = min(n, s + args.batch)
 
@@ -193,7 +198,8 @@ def bench_io(args, servers, model_config, payloads: np.ndarray, label: str) -> d
                     arr = f(read_keys[name][s:e], s, e)
                     res[f"raw_get_{name}_s"].append(time.perf_counter() - t0)
                     assert np.array_equal(arr, payloads[s:e]), f"raw {name} get incomplete"
-                _alternate(bi, tier_get, [(lambda name=name, f=f: raw_get(name, f)) for name, f in raw_ops["get"].items()])
+                _alternate(rep * nbatch + bi, tier_get,
+                           [(lambda name=name, f=f: raw_get(name, f)) for name, f in raw_ops["get"].items()])
             # verification alone, on values fetched once: what the tier runs per lookup (chain
             # ids + the batch check) and the one-value check it falls back to
             vals = guard.call("get", 10.0, c.remote.block_keys(ns, hashes))

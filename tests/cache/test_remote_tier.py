@@ -183,6 +183,48 @@ def test_values_of_another_size_read_in_place_are_classified(servers):
         a.close()
 
 
+def test_redis_blocks_of_another_size_read_in_place_are_classified(servers):
+    """Redis block reads land in a record-sized array too (get_into: the MGET reply read
+    into its rows): a longer value under this namespace's key (read and dropped, then
+    fetched alone) and a shorter one are classified as foreign, never served, and the
+    connection keeps serving this namespace's own blocks."""
+    import redis
+
+    cc = CacheConfig(block_tokens=B, device="cpu", gpu_capacity_bytes=1 << 24, swa_capacity_bytes=1 << 24,
+                     remote_blocks=servers.snapshots_url, remote_lookup_timeout_s=1.0, remote_write_timeout_s=2.0)
+    a = PrefixCache(CONFIG, cc, weights_id="redis-size-weights")
+    assert a.remote.wait_connected(20.0)
+    raw = redis.Redis.from_url(servers.snapshots_url)
+    try:
+        tok = tokens(7, 2 * B)
+        for src, dst in (("y" * 64, "r"), ("r", "y" * 64)):
+            key = a.key(src)
+            hs = a.hasher.hash_blocks(tok, key)
+            items = a.remote.block_values(key, src, hs, as_token_array(tok).reshape(2, B), range(2),
+                                          payloads(a, 2, 7), 0, a.hasher.root(key))
+            hd = a.hasher.hash_blocks(tok, a.key(dst))
+            raw.mset({a.remote.block_key(dst, h): bytes(v) for h, (_, v) in zip(hd, items)})
+            before = a.metrics.to_dict()["dsv41_cache_remote_verify_failures_total"].get("role=blocks,kind=foreign", 0)
+            m = a.match(tok, namespace=dst)
+            assert m.num_blocks == 0
+            a.release(m)
+            vf = a.metrics.to_dict()["dsv41_cache_remote_verify_failures_total"]
+            assert vf["role=blocks,kind=foreign"] == before + 1, dst
+        tok2 = tokens(8, 3 * B)
+        pay, _ = write(a, tok2, "own", seed=8)
+        c = PrefixCache(CONFIG, cc, weights_id="redis-size-weights")
+        assert c.remote.wait_connected(20.0)
+        try:
+            m = c.match(tok2, namespace="own")
+            assert m.remote_blocks == 3 and torch.equal(c.read_blocks(m), pay)
+            c.release(m)
+        finally:
+            c.close()
+    finally:
+        raw.close()
+        a.close()
+
+
 def test_corrupt_values_written_with_the_backends_clients_are_misses(servers):
     a, b = make_cache(servers), make_cache(servers)
     try:

@@ -275,3 +275,161 @@ def test_cxx_encode_and_verify_match_the_reference_at_any_size(nbytes):
     bad[2] = bad[2][:-1] + bytes([bad[2][-1] ^ 0x80])
     rows, status = verify_records(bad, **args)
     assert status == "corrupt" and np.array_equal(rows, pay[:2])
+
+
+def test_redis_send_gathers_chunks_and_resumes_partial_sends():
+    """_send (the Redis backend's pipeline send): every byte of every chunk in order, with
+    sendmsg sending only part of what it is given, more chunks than one sendmsg takes,
+    memoryviews of other formats and empty chunks; a socket timeout is redis.TimeoutError,
+    another socket error redis.ConnectionError; a TLS socket gets sendall per chunk."""
+    import socket
+    import ssl
+
+    import redis
+
+    from dsv41.cache.remote.redis import _IOV_MAX, _send
+
+    class Trickle:
+        """sendmsg takes at most `most` bytes per call and records what it got."""
+
+        def __init__(self, most, fail=None):
+            self.most, self.got, self.calls, self.fail = most, bytearray(), [], fail
+
+        def sendmsg(self, bufs):
+            if self.fail:
+                raise self.fail
+            assert len(bufs) <= _IOV_MAX
+            self.calls.append(len(bufs))
+            take = self.most
+            for b in bufs:
+                part = bytes(b[:take])
+                self.got += part
+                take -= len(part)
+                if not take:
+                    break
+            return self.most - take
+
+    g = np.random.default_rng(0)
+    chunks = [bytearray(b"*3\r\n"), memoryview(g.integers(0, 256, 70000, dtype=np.uint8)), b"",
+              memoryview(np.arange(10, dtype=np.uint32)), b"tail"] + [bytes([i % 256]) * 7 for i in range(2500)]
+    want = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
+    for most in (1, 1000, 65536, 1 << 30):
+        s = Trickle(most)
+        _send(s, chunks)
+        assert bytes(s.got) == want, most
+    s = Trickle(1 << 30)
+    _send(s, chunks)
+    assert s.calls == [_IOV_MAX, _IOV_MAX, len(chunks) - 1 - 2 * _IOV_MAX]   # the empty chunk is not sent
+    with pytest.raises(redis.TimeoutError):
+        _send(Trickle(10, fail=socket.timeout("timed out")), chunks)
+    with pytest.raises(redis.ConnectionError):
+        _send(Trickle(10, fail=ConnectionResetError(104, "reset")), chunks)
+
+    class Tls(ssl.SSLSocket):   # no sendmsg on TLS: one sendall per chunk
+        def __init__(self):
+            self.got = bytearray()
+
+        def sendall(self, data):
+            self.got += bytes(memoryview(data).cast("B"))
+
+    t = Tls()
+    _send(t, chunks)
+    assert bytes(t.got) == want
+    a, b = socket.socketpair()   # and through a real socket, read on the other side meanwhile
+    try:
+        got = bytearray()
+        reader = threading.Thread(target=lambda: [got.extend(x) for x in iter(lambda: b.recv(1 << 16), b"")])
+        reader.start()
+        _send(a, chunks)
+        a.shutdown(socket.SHUT_WR)
+        reader.join(10)
+        assert bytes(got) == want
+    finally:
+        a.close()
+        b.close()
+
+
+def _serve(reply: bytes, pieces: int, seed: int = 0, stall: bool = False):
+    """A socket whose peer (a thread) writes `reply` in `pieces` random pieces, then stays
+    open (stall: stops after the first piece without closing)."""
+    import socket
+
+    a, b = socket.socketpair()
+    cuts = sorted(np.random.default_rng(seed).choice(np.arange(1, len(reply)), size=min(pieces, len(reply)) - 1,
+                                                     replace=False).tolist()) if pieces > 1 else []
+    parts = [reply[i:j] for i, j in zip([0] + cuts, cuts + [len(reply)])]
+
+    def feed():
+        for p in parts[:1] if stall else parts:
+            b.sendall(p)
+            time.sleep(0)
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    return a, b, t
+
+
+def test_redis_mget_reply_is_read_into_rows_in_any_pieces():
+    """_read_mget_into (Redis get_into): values land in their rows whatever pieces the reply
+    arrives in (one byte at a time included, values across the 64 KiB buffer's edge);
+    a missing key (RESP2 $-1, RESP3 _) and an empty value read as 0, a value longer than a
+    row as -1 with the values after it still read; an error reply, a malformed one, a
+    closed connection and a stalled server past the deadline raise."""
+    import redis
+
+    from dsv41.cache.remote.redis import _read_mget_into
+
+    g = np.random.default_rng(1)
+    width = 70000
+    vals = [g.bytes(n) for n in (5, 65530, 65536 - 9, width, 3 * 4096)] + [None, b"", g.bytes(width + 1), None,
+                                                                           g.bytes(100)]
+    body = b"".join(b"$-1\r\n" if v is None else b"$%d\r\n%s\r\n" % (len(v), v) for v in vals)
+    reply = b"*%d\r\n" % len(vals) + body
+    want = [0 if v is None else -1 if len(v) > width else len(v) for v in vals]
+    for pieces, seed in ((1, 0), (7, 1), (300, 2), (3000, 3)):
+        a, b, t = _serve(reply, pieces, seed)
+        try:
+            rows = np.full((len(vals), width), 0xEE, dtype=np.uint8)
+            assert _read_mget_into(a, rows, len(vals), time.monotonic() + 10) == want, pieces
+            for i, (v, k) in enumerate(zip(vals, want)):
+                if k > 0:
+                    assert rows[i, :k].tobytes() == v
+        finally:
+            t.join(10)
+            a.close()
+            b.close()
+    small = b"*4\r\n_\r\n$3\r\nabc\r\n$0\r\n\r\n$9\r\n123456789\r\n"   # RESP3's null, an empty value
+    a, b, t = _serve(small, len(small))   # one byte at a time
+    rows = np.zeros((4, 8), dtype=np.uint8)
+    assert _read_mget_into(a, rows, 4, time.monotonic() + 10) == [0, 3, 0, -1] and rows[1, :3].tobytes() == b"abc"
+    t.join(10)
+    a.close()
+    b.close()
+    bad = {b"-ERR wrong number of arguments\r\n": redis.ResponseError,
+           b"*3\r\n$1\r\na\r\n$1\r\nb\r\n": redis.ConnectionError,             # another count (and then closed)
+           b"*1\r\n:5\r\n": redis.ConnectionError,                           # another type
+           b"*1\r\n$3\r\nabcXY": redis.ConnectionError,                      # no CRLF after the value
+           b"*1\r\n$3\r\nabc\r\n+extra\r\n": redis.ConnectionError,          # bytes after the reply
+           b"*2\r\n$3\r\nabc\r\n$100\r\nshort": redis.ConnectionError}       # closed inside a value
+    for reply, exc in bad.items():
+        n = 2 if reply.startswith(b"*2") else 1
+        a, b, t = _serve(reply, 3)
+        t.join(10)
+        if b"short" in reply or b"*3" in reply:
+            b.close()
+        try:
+            with pytest.raises(exc):
+                _read_mget_into(a, np.zeros((n, 200), dtype=np.uint8), n, time.monotonic() + 10)
+        finally:
+            a.close()
+            b.close()
+    a, b, t = _serve(reply, 2, stall=True)   # a server that stops answering: the socket's timeout
+    a.settimeout(0.2)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(redis.TimeoutError):
+            _read_mget_into(a, np.zeros((2, 200), dtype=np.uint8), 2, time.monotonic() + 10)
+        assert time.monotonic() - t0 < 2
+    finally:
+        a.close()
+        b.close()

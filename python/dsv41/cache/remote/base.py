@@ -83,6 +83,13 @@ class RemoteBackend(abc.ABC):
         """Stores values; overwrite=False may leave an existing value in place. A value is
         bytes-like, or a tuple of parts where takes_parts is set."""
 
+    def put_records(self, keys: Sequence[str], batch, overwrite: bool = False, **kw) -> None:
+        """Stores the values of a record.RecordBatch, value i under keys[i]. By default they
+        are encoded into one fresh buffer (as parts where takes_parts is set) and put();
+        a backend with a faster way to send them (Mooncake: from a registered buffer)
+        encodes them there instead, in the call."""
+        self.put(list(zip(keys, batch.values(self.takes_parts))), overwrite=overwrite, **kw)
+
     @abc.abstractmethod
     def remove(self, keys: Sequence[str]) -> None: ...
 

@@ -6,8 +6,10 @@ Options: metadata (default P2PHANDSHAKE, i.e. no etcd / HTTP metadata server),
 protocol (tcp), local_hostname (this host's address the storage processes can reach;
 default 127.0.0.1 for a loopback master, else the address that routes to the master),
 buffer_bytes (the client's transfer buffer, 64 MiB), segment_bytes (memory this process
-contributes, 0). Unless MC_TCP_BIND_ADDRESS is set, connect() sets it to local_hostname so
-this process's data port does not listen on every interface.
+contributes, 0), staging_bytes (the most memory the block puts' registered staging buffer
+grows to, 64 MiB; a larger batch goes out in several transfers). Unless
+MC_TCP_BIND_ADDRESS is set, connect() sets it to local_hostname so this process's data port
+does not listen on every interface.
 
 Semantics the tier relies on (seen with mooncake-transfer-engine 0.3.13): a put of an
 existing key keeps the first value; a missing key reads as b''; there is no TTL; a full
@@ -22,8 +24,11 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from typing import Sequence
 from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
 
 from .base import RemoteBackend, RemoteError, RemoteFull
 
@@ -56,7 +61,8 @@ class MooncakeBackend(RemoteBackend):
         if u.scheme != "mooncake" or not u.hostname or not u.port:
             raise ValueError(f"expected mooncake://HOST:PORT (the master's RPC address), got {url!r}")
         q = {k: v[-1] for k, v in parse_qs(u.query).items()}
-        unknown = set(q) - {"metadata", "protocol", "local_hostname", "buffer_bytes", "segment_bytes"}
+        unknown = set(q) - {"metadata", "protocol", "local_hostname", "buffer_bytes", "segment_bytes",
+                            "staging_bytes"}
         if unknown:
             raise ValueError(f"{url!r}: unknown options {sorted(unknown)}")
         self.master = f"{u.hostname}:{u.port}"
@@ -65,7 +71,13 @@ class MooncakeBackend(RemoteBackend):
         self.local_hostname = q.get("local_hostname") or _route_to(u.hostname, u.port)
         self.buffer_bytes = int(q.get("buffer_bytes", 64 << 20))
         self.segment_bytes = int(q.get("segment_bytes", 0))
+        self.staging_bytes = int(q.get("staging_bytes", 64 << 20))
         self._store = None
+        # put_records' staging buffer: registered with the client once, reused by every put,
+        # grown (re-registered) when a batch needs more. One put uses it at a time: a put
+        # whose caller stopped waiting may still be sending from it in another worker.
+        self._staging: np.ndarray | None = None
+        self._staging_lock = threading.Lock()
 
     def connect(self) -> None:
         try:
@@ -121,10 +133,75 @@ class MooncakeBackend(RemoteBackend):
         if rc != 0:
             raise RemoteError(f"put_batch: {rc}")
 
+    def put_records(self, keys: Sequence[str], batch, overwrite: bool = False) -> None:
+        """The records of a RecordBatch, encoded straight into the staging buffer registered
+        with the client and sent from there with batch_put_from (batch_upsert_from when
+        overwriting): the client's zero-copy put, with no buffer allocated, touched for the
+        first time or registered per call (allocating and first touching the 1.8 MB of 32
+        v41-flash records took ~0.8 ms here, a third of their transfer). Each key's return
+        code is checked; -200 (no space) is RemoteFull. A batch over staging_bytes goes out
+        in staging-sized transfers. While another put holds the staging buffer (one that
+        outlived its deadline), and for a value larger than staging_bytes, the records go
+        through put() instead."""
+        n, rb = len(keys), batch.record_bytes
+        if n != len(batch):
+            raise ValueError(f"put_records: {n} keys for {len(batch)} values")
+        if not n:
+            return
+        per = self.staging_bytes // rb
+        if per == 0 or not self._staging_lock.acquire(blocking=False):
+            self.put(list(zip(keys, batch.values())), overwrite=overwrite)
+            return
+        try:
+            st = self._store
+            send = st.batch_upsert_from if overwrite else st.batch_put_from
+            rows = min(n, per)
+            stage = self._stage(rows * rb)
+            codes: list[int] = []
+            for s in range(0, n, rows):
+                e = min(n, s + rows)
+                out = stage[: (e - s) * rb].reshape(e - s, rb)
+                batch.encode_into(out, s, e)
+                addr = out.ctypes.data
+                got = send(list(keys[s:e]), [addr + i * rb for i in range(e - s)], [rb] * (e - s))
+                codes += got
+                if any(c != 0 for c in got):
+                    break   # full or failing: the rest would meet the same
+        finally:
+            self._staging_lock.release()
+        bad = [c for c in codes if c != 0]
+        if bad and all(c == _NO_SPACE for c in bad):
+            raise RemoteFull(f"batch_put_from: {len(bad)} of {n} values: {_NO_SPACE} (no space that is not leased)")
+        if bad:
+            raise RemoteError(f"batch_put_from: {len(bad)} of {n} values failed ({min(bad)})")
+
+    def _stage(self, nbytes: int) -> np.ndarray:
+        """The staging buffer (uint8, at least nbytes), registered; caller holds _staging_lock.
+        It grows to the next power of two from 1 MiB (at most staging_bytes), so a writer
+        whose batches vary in size registers a few times, not every time."""
+        cur = self._staging
+        if cur is not None and cur.nbytes >= nbytes:
+            return cur
+        size = min(max(1 << 20, 1 << max(0, nbytes - 1).bit_length()), max(nbytes, self.staging_bytes))
+        st = self._store
+        if cur is not None:
+            self._staging = None
+            st.unregister_buffer(cur.ctypes.data)
+        buf = np.empty(size, dtype=np.uint8)
+        rc = st.register_buffer(buf.ctypes.data, buf.nbytes)
+        if rc != 0:
+            raise RemoteError(f"register_buffer (staging, {size} bytes): {rc}")
+        self._staging = buf
+        return buf
+
     def remove(self, keys: Sequence[str]) -> None:
         self._store.batch_remove(list(keys), force=True)
 
     def close(self) -> None:
         if self._store is not None:
+            # Guarded closes only when no call is running: nothing sends from the staging buffer
+            if self._staging is not None:
+                self._store.unregister_buffer(self._staging.ctypes.data)
+                self._staging = None
             self._store.close()
             self._store = None

@@ -36,8 +36,8 @@ from ..io import crc32c
 from ..store.format import (REC_HEADER, REC_HEADER_BYTES, REC_MAGIC, STORE_FORMAT_VERSION, pack_record_header,
                             record_geometry)
 
-__all__ = ["encode_record", "encode_records", "verify_record", "verify_records", "chain_ids", "value_bytes",
-           "record_geometry", "Verified", "STATUSES"]
+__all__ = ["encode_record", "encode_records", "RecordBatch", "verify_record", "verify_records", "chain_ids",
+           "value_bytes", "record_geometry", "Verified", "STATUSES"]
 
 _remote = _C.remote
 STATUSES = ("ok", "corrupt", "foreign", "collision")
@@ -80,29 +80,79 @@ def encode_record(*, key: bytes, tokens: np.ndarray, payload, block_index: int, 
     return buf
 
 
+class RecordBatch:
+    """n block values still to be encoded: encode_records' arguments, checked once, for
+    whoever sends them to encode where the bytes are needed. A backend that sends from
+    memory registered with its client (Mooncake) encodes straight into a staging buffer it
+    keeps (encode_into), with no buffer allocated per put; any other takes values(). Either
+    way the bytes are encode_record's. The payload rows are referenced, not copied: they
+    must not change until the put is done (the tier's writer owns them)."""
+
+    __slots__ = ("key", "tokens", "payloads", "block_indices", "block_hashes", "parent_hashes", "chain_ids",
+                 "parent_chains", "created_ns", "payload_offset", "record_bytes")
+
+    def __init__(self, *, key: bytes, tokens: np.ndarray, payloads: np.ndarray, block_indices, block_hashes,
+                 parent_hashes, chain_ids, parent_chains, created_ns: int | None = None):
+        self.key = key
+        self.tokens = np.ascontiguousarray(tokens, dtype="<u4")
+        self.payloads = np.ascontiguousarray(payloads).view(np.uint8)
+        n, T = self.tokens.shape
+        self.block_indices, self.block_hashes = list(block_indices), list(block_hashes)
+        self.parent_hashes, self.chain_ids, self.parent_chains = list(parent_hashes), list(chain_ids), \
+            list(parent_chains)
+        if not (len(self.payloads) == n == len(self.block_indices) == len(self.block_hashes)
+                == len(self.parent_hashes) == len(self.chain_ids) == len(self.parent_chains)):
+            raise ValueError("RecordBatch: every argument needs one entry per value")
+        self.created_ns = time.time_ns() if created_ns is None else created_ns
+        self.payload_offset, self.record_bytes, _ = record_geometry(T, len(key), self.payloads.shape[1])
+
+    def __len__(self) -> int:
+        return len(self.block_indices)
+
+    @property
+    def nbytes(self) -> int:
+        """The values' total length (what a put stores)."""
+        return len(self) * self.record_bytes
+
+    def encode_into(self, out: np.ndarray, start: int = 0, stop: int | None = None) -> None:
+        """Values start..stop-1 into the rows of out (uint8 [stop - start, record_bytes],
+        C-contiguous), in one C++ call (csrc/io/remote_value.cpp)."""
+        self._encode(out, slice(start, len(self) if stop is None else stop), self.record_bytes)
+
+    def _encode(self, out: np.ndarray, s: slice, row: int) -> None:
+        n = len(range(len(self))[s])
+        if out.dtype != np.uint8 or out.shape != (n, row) or not out.flags.c_contiguous:
+            raise ValueError(f"RecordBatch: out must be C-contiguous uint8 [{n}, {row}]")
+        _remote.encode_values(out, self.tokens[s], self.key, self.payloads[s], self.block_indices[s],
+                              self.block_hashes[s], self.parent_hashes[s], self.chain_ids[s], self.parent_chains[s],
+                              self.created_ns, self.payload_offset, self.record_bytes)
+
+    def values(self, parts: bool = False) -> list:
+        """One value per block, encoded now into one fresh buffer: a row view of it, or with
+        parts=True a (head, payload) pair of views whose concatenation is the value (the
+        payload is then not copied at all: for a backend that can send a value in pieces)."""
+        n, rbytes = len(self), self.record_bytes
+        row = self.payload_offset if parts else rbytes
+        buf = np.empty((n, row), dtype=np.uint8)
+        self._encode(buf, slice(0, n), row)
+        flat = memoryview(buf.reshape(-1))
+        values = [flat[o: o + row] for o in range(0, n * row, row)]
+        if parts:
+            P = self.payloads.shape[1]
+            pflat = memoryview(self.payloads.reshape(-1))
+            return [(v, pflat[i * P: (i + 1) * P]) for i, v in enumerate(values)]
+        return values
+
+
 def encode_records(*, key: bytes, tokens: np.ndarray, payloads: np.ndarray, block_indices, block_hashes,
                    parent_hashes, chain_ids, parent_chains, created_ns: int | None = None, parts: bool = False) -> list:
     """encode_record for n blocks at once (tokens uint32 [n, T], payloads uint8 [n, P]), in
     one C++ call that writes each value and its CRCs in one pass. Returns one value per
     block, whose bytes equal encode_record's: a row view of one buffer, or with parts=True a
-    (head, payload) pair of views whose concatenation is the value (the payload is then not
-    copied at all: for a backend that can send a value in pieces)."""
-    tokens = np.ascontiguousarray(tokens, dtype="<u4")
-    payloads = np.ascontiguousarray(payloads).view(np.uint8)
-    n, T = tokens.shape
-    P = payloads.shape[1]
-    po, rbytes, _ = record_geometry(T, len(key), P)
-    row = po if parts else rbytes
-    buf = np.empty((n, row), dtype=np.uint8)
-    _remote.encode_values(buf, tokens, key, payloads, list(block_indices), list(block_hashes), list(parent_hashes),
-                          list(chain_ids), list(parent_chains), time.time_ns() if created_ns is None else created_ns,
-                          po, rbytes)
-    flat = memoryview(buf.reshape(-1))
-    values = [flat[o: o + row] for o in range(0, n * row, row)]
-    if parts:
-        pflat = memoryview(payloads.reshape(-1))
-        return [(v, pflat[i * P: (i + 1) * P]) for i, v in enumerate(values)]
-    return values
+    (head, payload) pair of views whose concatenation is the value (RecordBatch.values)."""
+    return RecordBatch(key=key, tokens=tokens, payloads=payloads, block_indices=block_indices,
+                       block_hashes=block_hashes, parent_hashes=parent_hashes, chain_ids=chain_ids,
+                       parent_chains=parent_chains, created_ns=created_ns).values(parts)
 
 
 def value_bytes(value) -> int:

@@ -32,7 +32,7 @@ import torch
 from ..swa_pool import TensorSnapshot
 from .base import Guarded, RemoteBackend, RemoteFull, RemoteUnavailable
 from .metrics import RemoteMetrics
-from .record import (chain_ids, encode_record, encode_records, record_geometry, value_bytes, verify_record,
+from .record import (RecordBatch, chain_ids, encode_record, record_geometry, value_bytes, verify_record,
                      verify_records)
 from .snapshot_codec import decode_snapshot, encode_snapshot
 
@@ -302,14 +302,13 @@ class RemoteTier:
             return
         todo = [i for i, ok in zip(idx, have) if not ok]
         if todo:
-            self._put("blocks", self.blocks, self.block_values(key, namespace, hashes, tok, todo, payloads, start, root,
-                                                               parts=self.blocks.backend.takes_parts),
-                      None, overwrite=False)
+            self._put_blocks(self.blocks, *self.block_batch(key, namespace, hashes, tok, todo, payloads, start, root),
+                             timeout_s=self.rc.write_timeout_s)
 
-    def block_values(self, key: bytes, namespace: str, hashes: Sequence[bytes], tok: np.ndarray,
-                     which: Sequence[int], payloads, start: int, root: bytes, parts: bool = False) -> list[tuple]:
-        """(remote key, value) of blocks `which` (payloads row i - start is block i); with
-        parts, each value is a (head, payload) pair of views (backends that take_parts)."""
+    def block_batch(self, key: bytes, namespace: str, hashes: Sequence[bytes], tok: np.ndarray,
+                    which: Sequence[int], payloads, start: int, root: bytes) -> tuple[list[str], RecordBatch]:
+        """(remote keys, RecordBatch) of blocks `which` (payloads row i - start is block i),
+        still to be encoded: the backend's put_records encodes them where it sends from."""
         which = list(which)
         chain = chain_ids(tok[: max(which) + 1], key)
         rows = payloads.contiguous().view(torch.uint8).numpy() if isinstance(payloads, torch.Tensor) else payloads
@@ -318,12 +317,34 @@ class RemoteTier:
             t, p = tok[sel], rows[which[0] - start: which[-1] + 1 - start]
         else:
             t, p = tok[which], rows[np.asarray(which) - start]
-        values = encode_records(key=key, tokens=t, payloads=p, block_indices=which,
-                                block_hashes=[hashes[i] for i in which],
-                                parent_hashes=[hashes[i - 1] if i else root for i in which],
-                                chain_ids=[chain[i] for i in which],
-                                parent_chains=[chain[i - 1] if i else 0 for i in which], parts=parts)
-        return list(zip(self.block_keys(namespace, [hashes[i] for i in which]), values))
+        batch = RecordBatch(key=key, tokens=t, payloads=p, block_indices=which,
+                            block_hashes=[hashes[i] for i in which],
+                            parent_hashes=[hashes[i - 1] if i else root for i in which],
+                            chain_ids=[chain[i] for i in which],
+                            parent_chains=[chain[i - 1] if i else 0 for i in which])
+        return self.block_keys(namespace, [hashes[i] for i in which]), batch
+
+    def block_values(self, key: bytes, namespace: str, hashes: Sequence[bytes], tok: np.ndarray,
+                     which: Sequence[int], payloads, start: int, root: bytes, parts: bool = False) -> list[tuple]:
+        """(remote key, value) of blocks `which`, encoded (block_batch's records); with parts,
+        each value is a (head, payload) pair of views (backends that take_parts)."""
+        keys, batch = self.block_batch(key, namespace, hashes, tok, which, payloads, start, root)
+        return list(zip(keys, batch.values(parts)))
+
+    def _put_blocks(self, guard: Guarded, keys: list[str], batch: RecordBatch, timeout_s: float) -> None:
+        """The writer's put of block records (the benchmark times this): put_records through
+        the guard, counted like _put."""
+        m = self.metrics
+        try:
+            guard.call("put_records", timeout_s, keys, batch)
+        except RemoteFull:
+            m.dropped_writes.inc(len(keys), role="blocks", cause="full")
+            return
+        except RemoteUnavailable as e:
+            m.dropped_writes.inc(len(keys), role="blocks", cause=e.cause)
+            return
+        m.writes.inc(len(keys), role="blocks")
+        m.bytes_written.inc(batch.nbytes, role="blocks")
 
     def snapshot_value(self, key: bytes, namespace: str, arr: np.ndarray, hashes: Sequence[bytes], root: bytes,
                        snap: TensorSnapshot) -> tuple[str, bytes]:
