@@ -32,3 +32,17 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if _TEST_TIMEOUT > 0:
             faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_user_cache(tmp_path_factory):
+    """Loading a checkpoint whose mtimes moved (the shipped one, in a fresh checkout) writes a
+    weights stamp into the user's cache (model/weights_id.py): the tests keep theirs in a
+    temporary directory, never in the real home. Subprocesses inherit it."""
+    old = os.environ.get("DSV41_CACHE_DIR")
+    os.environ["DSV41_CACHE_DIR"] = str(tmp_path_factory.mktemp("dsv41-user-cache"))
+    yield
+    if old is None:
+        os.environ.pop("DSV41_CACHE_DIR", None)
+    else:
+        os.environ["DSV41_CACHE_DIR"] = old
