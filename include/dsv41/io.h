@@ -36,15 +36,16 @@ constexpr size_t kAlign = 4096;
 inline bool is_aligned(uint64_t v) { return v % kAlign == 0; }
 inline uint64_t align_up(uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-// Buffers of kHugeBytes or more start on a kHugeBytes boundary, span whole kHugeBytes
-// pages (their size rounded up) and are advised for transparent huge pages (madvise, where the kernel offers them). An O_DIRECT request
-// carries at most the queue's max_segments runs of physically contiguous memory (254 on
-// the development VM's virtio disk): 1 MiB from scattered 4 KiB pages is 256 runs and
-// goes out as two requests, from a huge page as one, and 4 MiB as one request too. On
-// that disk a write's time follows the number of requests (measured in docs/cache.md).
+// Buffers of kHugeBytes or more are a fresh mapping of whole kHugeBytes pages (their
+// size rounded up), advised for transparent huge pages (madvise, where the kernel offers
+// them) before the first touch. An O_DIRECT request carries at most the queue's
+// max_segments runs of physically contiguous memory (254 on the development VM's virtio
+// disk): 1 MiB from scattered 4 KiB pages is 256 runs and goes out as two requests, from
+// a huge page as one, and 4 MiB as one request too. On that disk a request's time barely
+// depends on its size (measured in docs/cache.md).
 constexpr size_t kHugeBytes = size_t(2) << 20;
 
-// A 4 KiB-aligned (2 MiB from kHugeBytes on) host allocation; page-locked for the GPU
+// A 4 KiB-aligned (huge-page backed from kHugeBytes on) host allocation; page-locked for the GPU
 // when pin_host() succeeds.
 class AlignedBuffer {
  public:
