@@ -144,6 +144,51 @@ void encode_records(IoEngine& eng, const py::buffer& buf, const py::list& specs)
     if (w == 0) throw std::invalid_argument("record head has an inconsistent geometry");
 }
 
+// The part of a record spec that read_records and check_heads share: (offset, padded,
+// record_id, parent_id, block_index, hash, row, ...) and, at index `parent_at` when the
+// spec is that long, the block hash the record's parent_hash must equal (None: the index
+// holds no parent, which fails the check; b"": not checked, a chain's first record).
+// Fills e with them and with the row's token ids and the key (when given). The hash bytes
+// e points to are kept in `keep`, reserved by the caller so that they never move.
+// Returns the row.
+uint64_t fill_expect(record::Expect& e, const py::tuple& rt, size_t parent_at, std::vector<std::string>& keep,
+                     uint32_t payload_bytes, const uint32_t* tok, uint64_t tok_rows, uint64_t T,
+                     const std::string* key) {
+  e.padded = rt[1].cast<uint64_t>();
+  e.record_id = rt[2].cast<uint64_t>();
+  e.parent_id = rt[3].cast<uint64_t>();
+  e.block_index = rt[4].cast<uint32_t>();
+  keep.push_back(rt[5].cast<std::string>());
+  if (keep.back().size() > 32) throw std::invalid_argument("hash longer than 32 bytes");
+  e.hash = reinterpret_cast<const uint8_t*>(keep.back().data());
+  e.hash_bytes = static_cast<uint32_t>(keep.back().size());
+  e.payload_bytes = payload_bytes;
+  const uint64_t row = rt[6].cast<uint64_t>();
+  if (rt.size() > parent_at) {
+    if (rt[parent_at].is_none()) {
+      e.check_parent = true;
+    } else {
+      keep.push_back(rt[parent_at].cast<std::string>());
+      if (!keep.back().empty()) {
+        if (keep.back().size() > 32) throw std::invalid_argument("parent hash longer than 32 bytes");
+        e.check_parent = true;
+        e.parent_hash = reinterpret_cast<const uint8_t*>(keep.back().data());
+        e.parent_hash_bytes = static_cast<uint32_t>(keep.back().size());
+      }
+    }
+  }
+  if (tok) {
+    if (row >= tok_rows) throw std::out_of_range("token row out of range");
+    e.tokens = tok + row * T;
+    e.token_count = static_cast<uint32_t>(T);
+  }
+  if (key) {
+    e.key = reinterpret_cast<const uint8_t*>(key->data());
+    e.key_bytes = static_cast<uint32_t>(key->size());
+  }
+  return row;
+}
+
 // ops: [(fd, offset, length, buffer, buffer_offset,
 //        [(offset_in_op, padded, record_id, parent_id, block_index, hash, row[, parent_hash]), ...])]
 // parent_hash (optional): the block hash of the record the index holds under parent_id,
@@ -199,39 +244,8 @@ py::list read_records(IoEngine& eng, const py::list& ops, const py::object& toke
       auto rt = r.cast<py::tuple>();
       record::Expect e;
       const uint64_t off = rt[0].cast<uint64_t>();
-      e.padded = rt[1].cast<uint64_t>();
+      const uint64_t row = fill_expect(e, rt, 7, hashes, payload_bytes, tok, tok_rows, T, has_key ? &key_str : nullptr);
       if (off > op.length || e.padded > op.length - off) throw std::invalid_argument("record outside its op");
-      e.record_id = rt[2].cast<uint64_t>();
-      e.parent_id = rt[3].cast<uint64_t>();
-      e.block_index = rt[4].cast<uint32_t>();
-      hashes.push_back(rt[5].cast<std::string>());
-      if (hashes.back().size() > 32) throw std::invalid_argument("hash longer than 32 bytes");
-      e.hash = reinterpret_cast<const uint8_t*>(hashes.back().data());
-      e.hash_bytes = static_cast<uint32_t>(hashes.back().size());
-      e.payload_bytes = payload_bytes;
-      const uint64_t row = rt[6].cast<uint64_t>();
-      if (rt.size() > 7) {
-        if (rt[7].is_none()) {
-          e.check_parent = true;
-        } else {
-          hashes.push_back(rt[7].cast<std::string>());
-          if (!hashes.back().empty()) {
-            if (hashes.back().size() > 32) throw std::invalid_argument("parent hash longer than 32 bytes");
-            e.check_parent = true;
-            e.parent_hash = reinterpret_cast<const uint8_t*>(hashes.back().data());
-            e.parent_hash_bytes = static_cast<uint32_t>(hashes.back().size());
-          }
-        }
-      }
-      if (tok) {
-        if (row >= tok_rows) throw std::out_of_range("token row out of range");
-        e.tokens = tok + row * T;
-        e.token_count = static_cast<uint32_t>(T);
-      }
-      if (has_key) {
-        e.key = reinterpret_cast<const uint8_t*>(key_str.data());
-        e.key_bytes = static_cast<uint32_t>(key_str.size());
-      }
       if (out) {
         if (row >= out_rows) throw std::out_of_range("dst row out of range");
         e.dst = out + row * payload_bytes;
@@ -251,7 +265,8 @@ py::list read_records(IoEngine& eng, const py::list& ops, const py::object& toke
 
 // The host half of a device read: heads (header, token ids, key) of records whose data CRC
 // was computed on the device. specs: [(offset_in_heads, padded, record_id, parent_id,
-// block_index, hash, row, data_crc, bytes_read)] -> [record status].
+// block_index, hash, row, data_crc, bytes_read[, parent_hash])] -> [record status]
+// (parent_hash as in read_records).
 std::vector<int> check_heads(const py::buffer& heads, const py::list& specs, const py::object& tokens,
                              const py::object& key, uint32_t payload_bytes, uint64_t head_bytes) {
   ByteView hv = byte_view(heads, false);
@@ -267,30 +282,15 @@ std::vector<int> check_heads(const py::buffer& heads, const py::list& specs, con
   }
   std::string key_str = key.is_none() ? std::string() : key.cast<std::string>();
   std::vector<int> out;
+  std::vector<std::string> keep;
   for (const auto& r : specs) {
     auto rt = r.cast<py::tuple>();
     const uint64_t off = rt[0].cast<uint64_t>();
     if (off > hv.size || head_bytes > hv.size - off) throw std::invalid_argument("head outside the buffer");
     record::Expect e;
-    e.padded = rt[1].cast<uint64_t>();
-    e.record_id = rt[2].cast<uint64_t>();
-    e.parent_id = rt[3].cast<uint64_t>();
-    e.block_index = rt[4].cast<uint32_t>();
-    std::string h = rt[5].cast<std::string>();
-    if (h.size() > 32) throw std::invalid_argument("hash longer than 32 bytes");
-    e.hash = reinterpret_cast<const uint8_t*>(h.data());
-    e.hash_bytes = static_cast<uint32_t>(h.size());
-    e.payload_bytes = payload_bytes;
-    const uint64_t row = rt[6].cast<uint64_t>();
-    if (tok) {
-      if (row >= tok_rows) throw std::out_of_range("token row out of range");
-      e.tokens = tok + row * T;
-      e.token_count = static_cast<uint32_t>(T);
-    }
-    if (!key.is_none()) {
-      e.key = reinterpret_cast<const uint8_t*>(key_str.data());
-      e.key_bytes = static_cast<uint32_t>(key_str.size());
-    }
+    keep.clear();  // this record's hashes, alive until its check below
+    keep.reserve(2);
+    fill_expect(e, rt, 9, keep, payload_bytes, tok, tok_rows, T, key.is_none() ? nullptr : &key_str);
     e.data_crc_known = true;
     e.data_crc = rt[7].cast<uint32_t>();
     const uint64_t got = rt[8].cast<uint64_t>();

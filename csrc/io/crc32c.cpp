@@ -115,6 +115,11 @@ constexpr size_t kFoldMin = 256;  // shorter inputs take the crc32 instruction
 
 #define DSV41_FOLD_TARGET __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2")))
 
+// k in every 128-bit lane of a 512-bit register (one constant for four lanes).
+DSV41_FOLD_TARGET inline __m512i lanes4(FoldK k) {
+  return _mm512_set_epi64(k.hi, k.lo, k.hi, k.lo, k.hi, k.lo, k.hi, k.lo);
+}
+
 DSV41_FOLD_TARGET inline __m512i fold512(__m512i x, __m512i k, __m512i data) {
   return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11),
                                    data, 0x96);  // a ^ b ^ c
@@ -134,8 +139,7 @@ DSV41_FOLD_TARGET inline __m512i load64(const uint8_t* p, uint8_t* dst, size_t o
 // n >= kFoldMin. kCopy: also stores every loaded byte to dst (one pass for copy and CRC).
 template <bool kCopy>
 DSV41_FOLD_TARGET uint32_t crc_fold(uint32_t crc, uint8_t* dst, const uint8_t* p, size_t n) {
-  const __m512i k2048 = _mm512_set_epi64(kFold2048.hi, kFold2048.lo, kFold2048.hi, kFold2048.lo, kFold2048.hi, kFold2048.lo, kFold2048.hi, kFold2048.lo);
-  const __m512i k512 = _mm512_set_epi64(kFold512.hi, kFold512.lo, kFold512.hi, kFold512.lo, kFold512.hi, kFold512.lo, kFold512.hi, kFold512.lo);
+  const __m512i k2048 = lanes4(kFold2048), k512 = lanes4(kFold512);
   const __m128i k128 = _mm_set_epi64x(kFold128.hi, kFold128.lo);
   // The register state enters as the first 32 bits of the message (the CRC is linear).
   __m512i x0 = _mm512_xor_si512(load64<kCopy>(p, dst, 0), _mm512_maskz_set1_epi32(1, static_cast<int>(~crc)));

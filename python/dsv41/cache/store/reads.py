@@ -1,11 +1,11 @@
 """Verified reads: records read whole and checked before their payload is used.
 
 Host path (read_checked): O_DIRECT reads into aligned staging; each record is checked in
-the I/O worker that read it (C++, dsv41/record.h), its parent link included, and its
-payload copied out by the pass that checksums it. Device path (read_into): cuFile reads
-into device memory, CRCs computed there, heads checked on the host by the same C++ check,
-the parent link by check_parents. Both group records back to back in one segment into one
-I/O (group_records). A failed record is removed (settle).
+the I/O worker that read it (C++, dsv41/record.h), and its payload copied out by the pass
+that checksums it. Device path (read_into): cuFile reads into device memory, CRCs computed
+there, heads checked on the host by the same C++ check. Both check the link to the parent
+there too (_parent_hash), and both group records back to back in one segment into one I/O
+(group_records). A failed record is removed (settle).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .index import SegmentFile
 if TYPE_CHECKING:
     from .store import PersistentStore
 
-__all__ = ["load", "read", "read_checked", "read_into", "check_parents", "settle",
+__all__ = ["load", "read", "read_checked", "read_into", "settle",
            "group_records"]
 
 log = logging.getLogger("dsv41.cache.store")
@@ -57,13 +57,25 @@ def group_records(recs: list, status: list[str], usable: Callable[[SegmentFile],
     return groups
 
 
+def _parent_hash(get: Callable, r) -> bytes | None:
+    """What a record spec carries for the parent link (dsv41/record.h, checked in C++ with
+    the rest of the record): the block hash of the record the index holds under r's
+    parent id (None when it holds none: the check fails), or b"" for a chain's first
+    record (nothing to check). Ids alone are not enough: two stores merged into one
+    directory reuse ids, and a chain must never continue into the other store's records.
+    `get` is the index's lookup, called under the store's lock."""
+    if not r.parent:
+        return b""
+    p = get(r.parent)
+    return None if p is None else p.hash
+
+
 def read_checked(store: PersistentStore, recs: list, tokens: np.ndarray | None, key: bytes | None,
                   out: np.ndarray | None, links: bool = False) -> tuple[list[str], tuple, dict[int, int]]:
     """Reads records (None entries are "missing") and checks each one in the I/O worker
     that read it (dsv41/record.h): header and data CRC, identity against the index, then
     token ids (row i of tokens) and key when given, and with `links` the link to its
-    parent (what check_parents checks, in C++: the parent's block hash goes with each
-    record). Verified payloads go to row i of out, copied by the pass that checksums them.
+    parent (_parent_hash). Verified payloads go to row i of out, copied by the pass that checksums them.
     Returns (statuses, the staging buffer item, record index -> its offset in the staging
     buffer). The caller must _put_staging(item)."""
     status = ["ok"] * len(recs)
@@ -87,11 +99,7 @@ def read_checked(store: PersistentStore, recs: list, tokens: np.ndarray | None, 
             for i in g[3]:
                 r = recs[i]
                 where[i] = pos + r.offset - base
-                if links and r.parent:  # the parent's block hash (None: not indexed, fails)
-                    p = get(r.parent)
-                    ph = None if p is None else p.hash
-                else:
-                    ph = b""  # not asked, or a chain's first record: no link to check
+                ph = _parent_hash(get, r) if links else b""
                 specs.append((r.offset - base, r.padded, r.rid, r.parent, r.block_index, r.hash, i, ph))
             ops.append((fds[g[0].uuid], base, g[2], buf, pos, specs))
             pos += g[2]
@@ -110,22 +118,6 @@ def read_checked(store: PersistentStore, recs: list, tokens: np.ndarray | None, 
             else:
                 status[i] = RECORD_STATUS[code]
     return status, item, where
-
-
-def check_parents(store: PersistentStore, recs: list, status: list[str], header: Callable[[int], np.void]) -> None:
-    """Every read checks the link to the parent: the record's parent_hash (from its
-    verified header, header(i)) must be the block hash of the record the index holds
-    under its parent id. Ids alone are not enough: two stores merged into one
-    directory reuse ids, and a chain must never continue into the other store's
-    records. A mismatch is status "chain" (removed like corruption)."""
-    with store._lock:
-        for i, r in enumerate(recs):
-            if status[i] != "ok" or r is None or not r.parent:
-                continue
-            p = store._ix.recs.get(r.parent)
-            h = header(i)
-            if p is None or bytes(h["parent_hash"])[: int(h["hash_bytes"])] != p.hash:
-                status[i] = "chain"
 
 
 def settle(store: PersistentStore, rids, recs, status, t0) -> None:
@@ -242,13 +234,13 @@ def read_into(store: PersistentStore, rids: list[int], tokens: np.ndarray | None
         end = min(int(hdr["record_bytes"][k]), got[i])
         ranges.append((where[i] + sf.REC_HEADER_BYTES, max(0, end - sf.REC_HEADER_BYTES)))
     crcs = device_crc(store, staging, ranges)
-    specs = [(k * head_bytes, recs[i].padded, recs[i].rid, recs[i].parent, recs[i].block_index, recs[i].hash,
-              i, crcs[k], got[i]) for k, i in enumerate(live)]
+    with store._lock:
+        get = store._ix.recs.get
+        specs = [(k * head_bytes, recs[i].padded, recs[i].rid, recs[i].parent, recs[i].block_index, recs[i].hash,
+                  i, crcs[k], got[i], _parent_hash(get, recs[i])) for k, i in enumerate(live)]
     codes = _io._io.check_heads(heads.reshape(-1), specs, tokens, key, P, head_bytes)
     for i, code in zip(live, codes):
         status[i] = RECORD_STATUS[code]
-    row = {i: k for k, i in enumerate(live)}
-    check_parents(store, recs, status, lambda i: hdr[row[i]])
     for k, i in enumerate(live):
         if status[i] == "ok":
             po = int(hdr["payload_offset"][k])
