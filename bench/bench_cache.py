@@ -211,18 +211,22 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
                 raw_path.unlink()  # freeing the old blocks is not part of writing
             return best_of(fn, 1)
 
+        def raw_read_call(fd: int, base: int, per: int, parallel: bool) -> None:
+            """One call's read of `per` bytes from `base`: `parallel`, one batch of 1 MiB
+            preads on all threads; else one thread, one 1 MiB pread after the other."""
+            ops = [(fd, o, min(op_bytes, span - o), wbuf, o - base)
+                   for o in range(base, min(span, base + per), op_bytes)]
+            if parallel:
+                assert all(e == 0 for _, e in eng.pread(ops))
+            else:
+                for one in ops:
+                    assert eng.pread([one])[0][1] == 0
+
         def raw_read(per: int, parallel: bool) -> None:
-            """Reads the file `per` bytes per call: `parallel`, one batch of 1 MiB preads on
-            all threads per call; else one thread, one 1 MiB pread after the other."""
+            """Reads the file `per` bytes per call."""
             f = eng.open(str(raw_path), os.O_RDONLY, direct=True)
             for base in range(0, span, per):
-                ops = [(f.fd, o, min(op_bytes, span - o), wbuf, o - base)
-                       for o in range(base, min(span, base + per), op_bytes)]
-                if parallel:
-                    assert all(e == 0 for _, e in eng.pread(ops))
-                else:
-                    for one in ops:
-                        assert eng.pread([one])[0][1] == 0
+                raw_read_call(f.fd, base, per, parallel)
             os.close(f.fd)
 
         res = results[str(chain_tokens)] = {
@@ -304,19 +308,12 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
         # one pass the raw side can get a fast spell and the store a slow one), so here each
         # raw call (the best method above, the same bytes) and the store's load() of one
         # prefix run back to back, who goes first alternating.
-        raw_fd = os.open(raw_path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        raw_fd = eng.open(str(raw_path), os.O_RDONLY, direct=True).fd
         parallel = best_r.startswith("parallel")
 
         def raw_prefix(c: int) -> float:
-            base = c * chain_span
-            ops = [(raw_fd, o, min(op_bytes, span - o), wbuf, o - base)
-                   for o in range(base, min(span, base + chain_span), op_bytes)]
             t0 = time.perf_counter()
-            if parallel:
-                assert all(e == 0 for _, e in eng.pread(ops))
-            else:
-                for one in ops:
-                    assert eng.pread([one])[0][1] == 0
+            raw_read_call(raw_fd, c * chain_span, chain_span, parallel)
             return time.perf_counter() - t0
 
         def store_prefix(c: int) -> float:
@@ -347,7 +344,7 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
         inter_total = sum(map(sum, i_raw)) / sum(map(sum, i_st))
         log(f"read, interleaved prefix by prefix: {inter_total:.2f} x raw over {args.repeat} passes "
             f"(passes {inter:.2f}-{inter_best:.2f}, median per prefix {inter_pairs:.2f})")
-        assert np.array_equal(dst, payload[: len(dst)]), "payload read back differs"
+        assert np.array_equal(dst, payload), "payload read back differs"
         file_bytes = st.file_bytes()
         st.close()
         paired = statistics.median(min(r[i] for r in r_raw.values()) / r_st[i] for i in range(args.repeat))

@@ -151,12 +151,18 @@ def test_a_copy_with_new_mtimes_loads_silently_and_keeps_its_record(model, tmp_p
     assert not wid.weights_stamp_path(ck).exists()
 
 
-def test_a_change_after_the_stamp_is_still_detected(model, tmp_path, user_cache, hashes):
+def _stamped_copy(model, tmp_path, hashes):
+    """(checkpoint dir, its weights_id) of a saved checkpoint whose mtimes all moved (a
+    copy), loaded once: hashed once and stamped (`hashes` holds that one hash)."""
     ck = tmp_path / "ck"
     model.save_pretrained(ck)
     hashes.clear()                             # saving hashed once; count the loads'
     _touch_all(ck)
-    expected = _load_silently(ck)              # hashed once, stamped
+    return ck, _load_silently(ck)
+
+
+def test_a_change_after_the_stamp_is_still_detected(model, tmp_path, user_cache, hashes):
+    ck, expected = _stamped_copy(model, tmp_path, hashes)
     assert wid.weights_stamp_path(ck).is_file() and len(hashes) == 1
     _flip_one_weight(ck)                       # new bytes: the mtime moves past the stamp's
     with pytest.warns(UserWarning, match="recomputing"):
@@ -167,11 +173,7 @@ def test_a_change_after_the_stamp_is_still_detected(model, tmp_path, user_cache,
 
 
 def test_a_stamp_vouches_only_for_its_record_and_its_facts(model, tmp_path, user_cache, hashes):
-    ck = tmp_path / "ck"
-    model.save_pretrained(ck)
-    hashes.clear()                             # saving hashed once; count the loads'
-    _touch_all(ck)
-    expected = _load_silently(ck)
+    ck, expected = _stamped_copy(model, tmp_path, hashes)
     stamp_path = wid.weights_stamp_path(ck)
     stamp = json.loads(stamp_path.read_text())
     # a stamp for another digest (the record was since rewritten): not used, rehashed
@@ -209,11 +211,7 @@ def test_an_unwritable_user_cache_still_loads(model, tmp_path, monkeypatch, hash
 
 def test_a_link_at_the_stamp_is_neither_trusted_nor_written_through(model, tmp_path, user_cache,
                                                                      hashes):
-    ck = tmp_path / "ck"
-    model.save_pretrained(ck)
-    hashes.clear()                             # saving hashed once; count the loads'
-    _touch_all(ck)
-    expected = _load_silently(ck)
+    ck, expected = _stamped_copy(model, tmp_path, hashes)
     stamp_path = wid.weights_stamp_path(ck)
     good = stamp_path.read_bytes()
     target = tmp_path / "elsewhere.json"

@@ -150,7 +150,7 @@ class MooncakeBackend(RemoteBackend):
             return
         per = self.staging_bytes // rb
         if per == 0 or not self._staging_lock.acquire(blocking=False):
-            self.put(list(zip(keys, batch.values())), overwrite=overwrite)
+            super().put_records(keys, batch, overwrite=overwrite)   # put() of freshly encoded values
             return
         try:
             st = self._store

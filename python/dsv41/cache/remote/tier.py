@@ -333,18 +333,8 @@ class RemoteTier:
 
     def _put_blocks(self, guard: Guarded, keys: list[str], batch: RecordBatch, timeout_s: float) -> None:
         """The writer's put of block records (the benchmark times this): put_records through
-        the guard, counted like _put."""
-        m = self.metrics
-        try:
-            guard.call("put_records", timeout_s, keys, batch)
-        except RemoteFull:
-            m.dropped_writes.inc(len(keys), role="blocks", cause="full")
-            return
-        except RemoteUnavailable as e:
-            m.dropped_writes.inc(len(keys), role="blocks", cause=e.cause)
-            return
-        m.writes.inc(len(keys), role="blocks")
-        m.bytes_written.inc(batch.nbytes, role="blocks")
+        the guard."""
+        self._counted("blocks", len(keys), batch.nbytes, guard, "put_records", timeout_s, keys, batch)
 
     def snapshot_value(self, key: bytes, namespace: str, arr: np.ndarray, hashes: Sequence[bytes], root: bytes,
                        snap: TensorSnapshot) -> tuple[str, bytes]:
@@ -371,17 +361,24 @@ class RemoteTier:
         self._put("snapshots", self.snapshots, [item], self.rc.snapshot_ttl_s, overwrite=True)
 
     def _put(self, role, guard, items, ttl_s, overwrite) -> None:
+        self._counted(role, len(items), sum(value_bytes(v) for _, v in items), guard, "put",
+                      self.rc.write_timeout_s, items, ttl_s=ttl_s, overwrite=overwrite)
+
+    def _counted(self, role: str, n: int, nbytes: int, guard: Guarded, op: str, timeout_s: float, *args,
+                 **kwargs) -> None:
+        """A write of n values (nbytes in all) through the guard, counted: written, or
+        dropped with its cause (full, or the guard's: timeout, error, breaker_open, ...)."""
         m = self.metrics
         try:
-            guard.call("put", self.rc.write_timeout_s, items, ttl_s=ttl_s, overwrite=overwrite)
+            guard.call(op, timeout_s, *args, **kwargs)
         except RemoteFull:
-            m.dropped_writes.inc(len(items), role=role, cause="full")
+            m.dropped_writes.inc(n, role=role, cause="full")
             return
         except RemoteUnavailable as e:
-            m.dropped_writes.inc(len(items), role=role, cause=e.cause)
+            m.dropped_writes.inc(n, role=role, cause=e.cause)
             return
-        m.writes.inc(len(items), role=role)
-        m.bytes_written.inc(sum(value_bytes(v) for _, v in items), role=role)
+        m.writes.inc(n, role=role)
+        m.bytes_written.inc(nbytes, role=role)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Waits until every queued write was done (or dropped); False on timeout."""
