@@ -233,6 +233,7 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
             "preset": args.preset, "block_bytes": P, "blocks": n_blocks, "payload_bytes": raw_bytes,
             "chain_tokens": chain_tokens, "chain_bytes": chain_blocks * P, "threads": args.threads, "dir": str(root)}
         store_dir = root / "store"
+        token_rows = [t.reshape(chain_blocks, args.block_tokens) for t in tokens]
 
         def store_write() -> float:
             """Seconds to put and commit every chain, as the cache's background writer
@@ -244,12 +245,8 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
             st = PersistentStore(store_dir, ident, engine=eng, durability="fsync", segment_bytes=args.segment_mb << 20)
             t0 = time.perf_counter()
             for c in range(n_chains):
-                parent, prev = 0, hasher.root(key)
-                for i in range(chain_blocks):
-                    parent = st.put(key=key, parent=parent, block_index=i, block_hash=hashes[c][i],
-                                    parent_hash=prev, tokens=tokens[c][i * args.block_tokens:(i + 1) * args.block_tokens],
-                                    payload=payload[i])
-                    prev = hashes[c][i]
+                st.put_chain(key=key, parent=0, first_index=0, block_hashes=hashes[c], parent_hash=hasher.root(key),
+                             tokens=token_rows[c], payloads=payload)
                 if (c + 1) % args.chains_per_commit == 0:
                     st.commit_async()
             st.close()
@@ -279,7 +276,6 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
         st = PersistentStore(store_dir, ident, engine=eng, mode="r")
         t_open = time.perf_counter() - t0
         log(f"open (index rebuild): {len(st):,} records in {t_open * 1e3:.1f} ms")
-        token_rows = [t.reshape(chain_blocks, args.block_tokens) for t in tokens]
 
         def store_read():
             for c in range(n_chains):

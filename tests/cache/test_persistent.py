@@ -168,6 +168,67 @@ def test_put_checks(tmp_path):
                    payload=np.zeros(LAYOUT.block_bytes, np.uint8))
 
 
+def test_put_chain_stores_what_block_by_block_puts_store(tmp_path):
+    """put_chain of a whole prefix (one array), or of two runs (the second's payloads a list
+    of tensors, its parent the first run's last record), stores the records put() would:
+    the same parents, block indices, keys and hashes, the same verified payloads."""
+    import torch
+
+    rng = np.random.default_rng(3)
+    t = rand_tokens(rng, 7 * B)
+    hasher = BlockHasher(B)
+    hashes = hasher.hash_blocks(t, key())
+    with open_store(tmp_path / "puts") as ref:
+        _, ref_rids, pays = write_chain(ref, t, key())
+        want = [{k: v for k, v in ref.record_info(r).items() if k in ("block_index", "key", "hash")}
+                for r in ref_rids]
+        ref_parents = [ref.record_info(r)["parent_id"] for r in ref_rids]
+    for how in ("one_call", "two_runs"):
+        with open_store(tmp_path / how) as st:
+            if how == "one_call":
+                rids = st.put_chain(key=key(), parent=0, first_index=0, block_hashes=hashes,
+                                    parent_hash=hasher.root(key()), tokens=t, payloads=pays)
+            else:
+                rids = st.put_chain(key=key(), parent=0, first_index=0, block_hashes=hashes[:3],
+                                    parent_hash=hasher.root(key()), tokens=t[: 3 * B], payloads=pays[:3])
+                rids += st.put_chain(key=key(), parent=rids[-1], first_index=3, block_hashes=hashes[3:],
+                                     parent_hash=hashes[2], tokens=token_rows(t, 7)[3:],
+                                     payloads=[torch.from_numpy(p.copy()) for p in pays[3:]])
+            assert st.pending_bytes == 7 * LAYOUT.block_bytes
+            st.commit()
+            got, out = load_all(st, t, key())
+            assert got == rids and np.array_equal(out, pays)
+            infos = [st.record_info(r) for r in rids]
+            assert [{k: v for k, v in i.items() if k in ("block_index", "key", "hash")} for i in infos] == want
+            # The same shape of chain: each record's parent is the record of the block before.
+            assert [rids.index(i["parent_id"]) if i["parent_id"] else None for i in infos] == \
+                [ref_rids.index(p) if p else None for p in ref_parents]
+
+
+def test_put_chain_checks_every_block_before_queueing_any(tmp_path):
+    with open_store(tmp_path) as st:
+        t = np.arange(3 * B, dtype="<u4")
+        h = [b"a", b"b", b"c"]
+        good = np.zeros((3, LAYOUT.block_bytes), np.uint8)
+        args = dict(key=key(), parent=0, first_index=0, block_hashes=h, parent_hash=b"p")
+        with pytest.raises(PayloadError, match="token ids"):
+            st.put_chain(**args, tokens=t[:-1], payloads=good)
+        with pytest.raises(PayloadError, match="bytes"):
+            st.put_chain(**args, tokens=t, payloads=good[:, :-1])
+        with pytest.raises(PayloadError, match="2 payloads for 3 blocks"):
+            st.put_chain(**args, tokens=t, payloads=list(good[:2]))
+        with pytest.raises(PayloadError, match="payload has"):
+            st.put_chain(**args, tokens=t, payloads=[good[0], good[1], good[2, :5]])
+        with pytest.raises(ValueError, match="32 bytes"):
+            st.put_chain(**{**args, "block_hashes": [b"a", b"b" * 33, b"c"]}, tokens=t, payloads=good)
+        with pytest.raises(KeyError, match="parent record 999"):
+            st.put_chain(**{**args, "parent": 999, "first_index": 4}, tokens=t, payloads=good)
+        assert st.pending_bytes == 0 and st.commit().persisted == []
+        rids = st.put_chain(**args, tokens=t, payloads=good)
+        assert rids == list(range(rids[0], rids[0] + 3)) and st.pending_bytes == 3 * LAYOUT.block_bytes
+        assert st.commit().persisted == rids
+
+
 def test_weak_hash_collisions_are_misses_never_wrong_payloads(tmp_path):
     hasher = BlockHasher(B, weak_hash, "weak")
     st = open_store(tmp_path, identity=identity(hasher=hasher))

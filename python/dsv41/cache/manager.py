@@ -510,20 +510,26 @@ class PrefixCache:
                 host_new = new_payloads.cpu()
                 if self._committer is not None and host_new.data_ptr() == new_payloads.data_ptr():
                     host_new = host_new.clone()
-            root = self.hasher.root(m.key)
-            puts = []
-            for j in todo:
-                payload = pool_rows[j] if j in pool_rows else host_new[j - new_start]
-                try:
-                    parent = store.put(key=m.key, parent=parent, block_index=j, block_hash=m.hashes[j],
-                                       parent_hash=m.hashes[j - 1] if j else root, tokens=tok[j],
-                                       payload=payload)
-                except MissingParentError:
-                    # The store dropped the parent since _stored_records looked (another
-                    # thread's TTL expiry or failed read): this chain is not stored now; the
-                    # next request that reaches it writes it again from its root.
-                    break
-                puts.append((j, parent))
+            # todo is a run of consecutive blocks (admission stops at the first refusal):
+            # one put_chain, whose first parent is the block before the run.
+            first, n = todo[0], len(todo)
+            if not pool_rows:  # all new: one slice of the caller's payloads
+                rows = host_new[first - new_start: first - new_start + n]
+            elif len(pool_rows) == n:  # all from the pool, read in block order
+                rows = data
+            else:
+                rows = [pool_rows[j] if j in pool_rows else host_new[j - new_start] for j in todo]
+            try:
+                rids = store.put_chain(key=m.key, parent=parent, first_index=first,
+                                       block_hashes=m.hashes[first: first + n],
+                                       parent_hash=m.hashes[first - 1] if first else self.hasher.root(m.key),
+                                       tokens=tok[first: first + n], payloads=rows)
+            except MissingParentError:
+                # The store dropped the parent since _stored_records looked (another
+                # thread's TTL expiry or failed read): this chain is not stored now; the
+                # next request that reaches it writes it again from its root.
+                rids = []
+            puts = list(zip(todo, rids))
             # A block knows its record as soon as it is queued: the next request extends
             # the chain from it instead of writing it again. A record the commit drops is
             # then a stale id, forgotten by _stored_records.

@@ -31,6 +31,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import functools
+import itertools
 import logging
 import os
 import stat
@@ -39,7 +41,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -77,13 +79,20 @@ class CommitResult:
     error: str | None = None
 
 
-class PendingRecord:
-    __slots__ = ("rid", "parent", "block_index", "block_hash", "parent_hash", "tokens", "key", "payload")
+class PendingRecord(NamedTuple):
+    """A record put() and not yet committed. A tuple: put_chain makes thousands at a time,
+    and tuple.__new__ over zipped columns costs a fraction of a Python __init__ each."""
+    rid: int
+    parent: int
+    block_index: int
+    block_hash: bytes
+    parent_hash: bytes
+    tokens: np.ndarray
+    key: bytes
+    payload: np.ndarray
 
-    def __init__(self, rid, parent, block_index, block_hash, parent_hash, tokens, key, payload):
-        self.rid, self.parent, self.block_index = rid, parent, block_index
-        self.block_hash, self.parent_hash, self.tokens, self.key, self.payload = \
-            block_hash, parent_hash, tokens, key, payload
+
+_new_pending = functools.partial(tuple.__new__, PendingRecord)
 
 
 def _as_bytes_view(payload) -> np.ndarray:
@@ -94,6 +103,24 @@ def _as_bytes_view(payload) -> np.ndarray:
             payload = payload.cpu()
         return payload.contiguous().view(torch.uint8).reshape(-1).numpy()
     return np.ascontiguousarray(payload, dtype=np.uint8).reshape(-1)
+
+
+def _payload_rows(payloads, n: int, block_bytes: int) -> list[np.ndarray]:
+    """n byte rows of block_bytes each: from one (n, ...) array or tensor, or a sequence of
+    n payloads (each an array or tensor). Raises PayloadError for any other size."""
+    if isinstance(payloads, (np.ndarray, torch.Tensor)):
+        flat = _as_bytes_view(payloads)
+        if flat.size != n * block_bytes:
+            raise PayloadError(f"payloads have {flat.size} bytes: {n} blocks of this store need "
+                               f"{n * block_bytes}")
+        return list(flat.reshape(n, block_bytes))
+    rows = [_as_bytes_view(p) for p in payloads]
+    if len(rows) != n:
+        raise PayloadError(f"{len(rows)} payloads for {n} blocks")
+    for row in rows:
+        if row.size != block_bytes:
+            raise PayloadError(f"payload has {row.size} bytes, a block of this store has {block_bytes}")
+    return rows
 
 
 _U4 = np.dtype("<u4")
@@ -423,28 +450,43 @@ class PersistentStore:
         """Queues one record for the next commit() and returns its record id. `parent` is
         the record id of the block before (0 for a chain's first block); it must be stored
         or queued. The payload is read at commit time: keep it unchanged until then."""
+        return self.put_chain(key=key, parent=parent, first_index=block_index, block_hashes=[block_hash],
+                              parent_hash=parent_hash, tokens=_as_token_ids(tokens)[None], payloads=[payload])[0]
+
+    def put_chain(self, *, key: bytes, parent: int, first_index: int, block_hashes, parent_hash: bytes,
+                  tokens, payloads) -> list[int]:
+        """put() of consecutive blocks of one prefix, first_index onward, in one call (a
+        64K-token prefix is a thousand blocks: one Python call per block kept the disk
+        waiting before a commit, bench/bench_cache.py store writes). Block k's parent is
+        the record of block k-1, its parent hash block k-1's hash; the first block's are
+        `parent` and `parent_hash`. tokens: (n, block_tokens) token ids; payloads: an (n,
+        block_bytes) array or tensor, or a sequence of n payloads. Returns the n record ids,
+        in block order. Payloads are read at commit time: keep them unchanged until then."""
         if self.mode != "w" or self.mismatch is not None or self.closed:
             self._check_writable()  # raises the error that says which
-        view = _as_bytes_view(payload)
-        if view.size != self.identity.block_bytes:
-            raise PayloadError(f"payload has {view.size} bytes, a block of this store has "
-                               f"{self.identity.block_bytes}")
+        n = len(block_hashes)
+        T, P = self.identity.block_tokens, self.identity.block_bytes
         tokens = _as_token_ids(tokens)
-        if tokens.size != self.identity.block_tokens:
-            raise PayloadError(f"a record holds {self.identity.block_tokens} token ids, got {tokens.size}")
-        if len(block_hash) > 32 or len(parent_hash) > 32:
+        if tokens.size != n * T:
+            raise PayloadError(f"a record holds {T} token ids: {n} records need {n * T}, got {tokens.size}")
+        tokens = tokens.reshape(n, T)
+        rows = _payload_rows(payloads, n, P)
+        if n and max(map(len, block_hashes)) > 32 or len(parent_hash) > 32:
             raise ValueError("hashes are at most 32 bytes")
         if type(key) is not bytes:
             key = bytes(key)
         with self._lock:
             if parent and parent not in self._ix.recs and parent not in self._pending_rids:
                 raise MissingParentError(f"parent record {parent} is neither stored nor queued")
-            rid = self._next_rid
-            self._next_rid = rid + 1
-            self._pending.append(PendingRecord(rid, parent, block_index, block_hash, parent_hash, tokens, key, view))
-            self._pending_rids.add(rid)
-            self._pending_bytes += view.size
-        return rid
+            first = self._next_rid
+            self._next_rid = first + n
+            rids = range(first, first + n)
+            self._pending += map(_new_pending, zip(
+                rids, itertools.chain((parent,), rids[:-1]), range(first_index, first_index + n), block_hashes,
+                itertools.chain((parent_hash,), block_hashes[:-1]), tokens, itertools.repeat(key, n), rows))
+            self._pending_rids.update(rids)
+            self._pending_bytes += n * P
+        return list(rids)
 
     def holds(self, rid: int) -> bool:
         """Whether record `rid` is stored, or queued for (or being written by) a commit:
