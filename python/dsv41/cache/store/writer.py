@@ -421,33 +421,16 @@ def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> Comm
         res.error = store.degraded_reason
         store.metrics.persist_failures.inc(cause="degraded")
         pending = []
-    groups, cur, cur_bytes = [], [], sf.PAGE * 3
-    T, P = store.identity.block_tokens, store.identity.block_bytes
-    padded_of: dict[int, int] = {}  # key length -> padded record bytes (put() fixed T and P)
-    for p in pending:
-        padded = padded_of.get(len(p.key))
-        if padded is None:
-            padded = padded_of[len(p.key)] = sf.record_geometry(T, len(p.key), P)[2]
-        if cur and cur_bytes + padded + 128 > store.segment_bytes:
-            groups.append(cur)
-            cur, cur_bytes = [], sf.PAGE * 3
-        cur.append(p)
-        cur_bytes += padded + 128
-    if cur:
-        groups.append(cur)
+    groups = _segment_groups(store, pending)
     for gi, g in enumerate(groups):
         # A record whose parent is gone (dropped, or deleted since put) cannot be
         # stored: the store holds whole prefixes only. Parents come before children; a
         # parent in a segment still being sealed counts (seal_segment checks it made it).
-        alive, ok_rids = [], set()
         with store._lock:
-            for p in g:
-                if not p.parent or p.parent in store._ix.recs or p.parent in ok_rids \
-                        or p.parent in store._unsealed_rids:
-                    alive.append(p)
-                    ok_rids.add(p.rid)
-                else:
-                    res.dropped.append(p.rid)
+            alive = _with_live_parents(store, g)
+        if len(alive) < len(g):
+            kept = {p.rid for p in alive}
+            res.dropped += [p.rid for p in g if p.rid not in kept]
         if not alive:
             continue
         try:
@@ -466,6 +449,43 @@ def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> Comm
     # that is done means everything committed before it is done as well.
     ticket._jobs.append(store._sealer.submit(_commit_finished, store, ticket, t0))
     return ticket
+
+
+def _segment_groups(store: PersistentStore, pending: list) -> list[list]:
+    """Splits a commit's records, in put order, into segments of at most segment_bytes
+    (each record counts its padded bytes and a footer entry). One Python step per
+    segment: a 64K-token commit is thousands of records, and this runs before the
+    first chunk write can start."""
+    if not pending:
+        return []
+    T, P = store.identity.block_tokens, store.identity.block_bytes
+    key_len = np.fromiter(map(len, (p.key for p in pending)), dtype=np.int64, count=len(pending))
+    lens = np.unique(key_len)
+    cost = np.zeros(len(pending), dtype=np.int64)
+    for n in lens.tolist():  # put() fixed T and P: a record's size follows its key length
+        cost[key_len == n] = sf.record_geometry(T, n, P)[2] + 128
+    groups, first, limit = [], 0, store.segment_bytes - sf.PAGE * 3
+    ends = np.cumsum(cost)
+    while first < len(pending):
+        base = ends[first - 1] if first else 0
+        # The last record that still fits; at least one per segment, however large.
+        end = max(first + 1, int(np.searchsorted(ends, base + limit, side="right")))
+        groups.append(pending[first:end])
+        first = end
+    return groups
+
+
+def _with_live_parents(store: PersistentStore, group: list) -> list:
+    """The records of `group` whose parent is stored, queued in a segment being sealed,
+    or an earlier record of the group that is itself kept (called under store._lock)."""
+    recs, unsealed = store._ix.recs, store._unsealed_rids
+    alive, ok = [], set()
+    for p in group:
+        par = p.parent
+        if not par or par in ok or par in recs or par in unsealed:
+            alive.append(p)
+            ok.add(p.rid)
+    return alive
 
 
 def _seal_into(store: PersistentStore, u: Unsealed, res: CommitResult) -> None:
