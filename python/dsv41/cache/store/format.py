@@ -132,10 +132,19 @@ def pack_record_headers(*, record_ids, parent_ids, created_ns: int, block_indice
     h["payload_offset"] = po
     h["payload_bytes"] = payload_bytes
     h["record_bytes"] = po + payload_bytes
-    h["hash_bytes"] = [len(x) for x in block_hashes]
-    h["block_hash"] = np.frombuffer(b"".join(x.ljust(32, b"\0") for x in block_hashes), "V32")
-    h["parent_hash"] = np.frombuffer(b"".join(x.ljust(32, b"\0") for x in parent_hashes), "V32")
+    hash_len = list(map(len, block_hashes))
+    h["hash_bytes"] = hash_len
+    h["block_hash"] = _hash_column(block_hashes, hash_len)
+    h["parent_hash"] = _hash_column(parent_hashes, list(map(len, parent_hashes)))
     return h
+
+
+def _hash_column(hashes, lengths: list[int]) -> np.ndarray:
+    """Hashes as one V32 column, each zero-padded to 32 bytes (SHA-256 hashes need none:
+    then one join)."""
+    if lengths.count(32) == len(lengths):
+        return np.frombuffer(b"".join(hashes), "V32")
+    return np.frombuffer(b"".join(x.ljust(32, b"\0") for x in hashes), "V32")
 
 
 # ---- segments -----------------------------------------------------------------------------

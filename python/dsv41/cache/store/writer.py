@@ -66,15 +66,17 @@ class _Layout:
     @classmethod
     def for_new(cls, records: list, created: int, block_tokens: int, block_bytes: int) -> "_Layout":
         lay = cls(len(records))
-        key_ix: dict[bytes, int] = {}
-        kis = [key_ix.setdefault(p.key, len(key_ix)) for p in records]
+        # Columns of the PendingRecord tuples in one step (a segment holds thousands, and
+        # this runs before the segment's first chunk write).
+        rids, parents, block_indices, block_hashes, parent_hashes, _, keys, _ = zip(*records)
+        key_ix = {k: i for i, k in enumerate(dict.fromkeys(keys))}  # usually one key
         lay.keys = list(key_ix)
+        kis = list(map(key_ix.__getitem__, keys))
         klen = np.array([len(k) for k in lay.keys], dtype=np.int64)[np.array(kis, dtype=np.int64)]
-        block_hashes = [p.block_hash for p in records]
         heads = sf.pack_record_headers(
-            record_ids=[p.rid for p in records], parent_ids=[p.parent for p in records], created_ns=created,
-            block_indices=[p.block_index for p in records], token_count=block_tokens, key_bytes=klen,
-            payload_bytes=block_bytes, block_hashes=block_hashes, parent_hashes=[p.parent_hash for p in records])
+            record_ids=rids, parent_ids=parents, created_ns=created, block_indices=block_indices,
+            token_count=block_tokens, key_bytes=klen, payload_bytes=block_bytes, block_hashes=block_hashes,
+            parent_hashes=parent_hashes)
         rbytes = heads["record_bytes"].astype(np.int64)
         lay.place((rbytes + sf.PAGE - 1) // sf.PAGE * sf.PAGE)
         e = lay.entries
