@@ -547,7 +547,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--max-lookup-tokens", type=int, default=1 << 20)
     p.add_argument("--device-blocks", type=int, default=2048)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--gap-ms", type=float, default=300.0, help="request section: spacing of spaced arrivals")
     args = p.parse_args(argv)
     sections = args.only or ["store", "request", "lookup", "snapshot"] + (["device"] if args.device == "cuda" else [])
