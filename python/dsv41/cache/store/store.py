@@ -408,11 +408,12 @@ class PersistentStore:
         """Marks records as used now (LRU and TTL count from the last use)."""
         now = self._now_ns()
         with self._lock:
+            recs, log_use = self._ix.recs, self.writable
             for rid in rids:
-                r = self._ix.recs.get(rid)
+                r = recs.get(rid)
                 if r is not None:
                     r.atime_ns = now
-                    if self.writable:
+                    if log_use:
                         self._journal.append(sf.J_ACCESS, rid, now)
             if len(self._journal.buf) >= 4096:
                 self._journal.flush()
