@@ -65,9 +65,9 @@ class _AlignedIO:
 
 
 def _check_packed(path, st) -> list[dict]:
-    """Every segment's records lie back to back from 4096, each at the previous one's end,
-    its fill after record_bytes and the gap up to the footer page are zeros; returns the
-    record infos."""
+    """Every segment's records (all live) lie back to back from 4096, each at the previous
+    one's end; its fill after record_bytes and the gap up to the footer page are zeros.
+    Returns the record infos."""
     infos = [st.record_info(r) for r in st.record_ids()]
     span = _span()
     rb = sf.record_geometry(B, len(key()), LAYOUT.block_bytes)[1]
@@ -76,10 +76,9 @@ def _check_packed(path, st) -> list[dict]:
         assert all(i["span_bytes"] == span for i in infos)
         data = (path / name).read_bytes()
         trailer = sf.decode_trailer(data[-PAGE:])
-        if offs[0] == PAGE and offs == [PAGE + k * span for k in range(len(offs))]:
-            end = offs[-1] + span
-            assert trailer.footer_offset == io.align_up(end)
-            assert not any(data[end: trailer.footer_offset])
+        assert offs == [PAGE + k * span for k in range(len(offs))]  # (every record is live)
+        end = offs[-1] + span
+        assert trailer.footer_offset == io.align_up(end) and not any(data[end: trailer.footer_offset])
         for o in offs:
             assert o % sf.RECORD_ALIGN == 0 and not any(data[o + rb: o + span])
     return infos
