@@ -122,11 +122,11 @@ void encode_records(IoEngine& eng, const py::buffer& buf, const py::list& specs)
     if (it.head.size() != record::kHeaderBytes) throw std::invalid_argument("a record head is 256 bytes");
     record::HeaderV1 h;
     std::memcpy(&h, it.head.data(), sizeof(h));
-    const uint64_t padded = (uint64_t(h.record_bytes) + 4095) / 4096 * 4096;
+    const uint64_t sp = record::span(h.record_bytes);
     if (it.tokens.size != 4ull * h.token_count || it.key.size() != h.key_bytes ||
         it.payload.size != h.payload_bytes)
       throw std::invalid_argument("token ids, key or payload do not match the record head");
-    if (it.at > out.size || padded > out.size - it.at) throw std::invalid_argument("record overruns the buffer");
+    if (it.at > out.size || sp > out.size - it.at) throw std::invalid_argument("record overruns the buffer");
     items.push_back(std::move(it));
   }
   std::vector<uint64_t> written(items.size());
@@ -144,7 +144,7 @@ void encode_records(IoEngine& eng, const py::buffer& buf, const py::list& specs)
     if (w == 0) throw std::invalid_argument("record head has an inconsistent geometry");
 }
 
-// The part of a record spec that read_records and check_heads share: (offset, padded,
+// The part of a record spec that read_records and check_heads share: (offset, span,
 // record_id, parent_id, block_index, hash, row, ...) and, at index `parent_at` when the
 // spec is that long, the block hash the record's parent_hash must equal (None: the index
 // holds no parent, which fails the check; b"": not checked, a chain's first record).
@@ -154,7 +154,7 @@ void encode_records(IoEngine& eng, const py::buffer& buf, const py::list& specs)
 uint64_t fill_expect(record::Expect& e, const py::tuple& rt, size_t parent_at, std::vector<std::string>& keep,
                      uint32_t payload_bytes, const uint32_t* tok, uint64_t tok_rows, uint64_t T,
                      const std::string* key) {
-  e.padded = rt[1].cast<uint64_t>();
+  e.span = rt[1].cast<uint64_t>();
   e.record_id = rt[2].cast<uint64_t>();
   e.parent_id = rt[3].cast<uint64_t>();
   e.block_index = rt[4].cast<uint32_t>();
@@ -190,7 +190,7 @@ uint64_t fill_expect(record::Expect& e, const py::tuple& rt, size_t parent_at, s
 }
 
 // ops: [(fd, offset, length, buffer, buffer_offset,
-//        [(offset_in_op, padded, record_id, parent_id, block_index, hash, row[, parent_hash]), ...])]
+//        [(offset_in_op, span, record_id, parent_id, block_index, hash, row[, parent_hash]), ...])]
 // parent_hash (optional): the block hash of the record the index holds under parent_id,
 // which the record's parent_hash must equal; None when the index holds none (status
 // "chain"); b"" or absent: not checked (a chain's first record).
@@ -245,7 +245,7 @@ py::list read_records(IoEngine& eng, const py::list& ops, const py::object& toke
       record::Expect e;
       const uint64_t off = rt[0].cast<uint64_t>();
       const uint64_t row = fill_expect(e, rt, 7, hashes, payload_bytes, tok, tok_rows, T, has_key ? &key_str : nullptr);
-      if (off > op.length || e.padded > op.length - off) throw std::invalid_argument("record outside its op");
+      if (off > op.length || e.span > op.length - off) throw std::invalid_argument("record outside its op");
       if (out) {
         if (row >= out_rows) throw std::out_of_range("dst row out of range");
         e.dst = out + row * payload_bytes;
@@ -264,7 +264,7 @@ py::list read_records(IoEngine& eng, const py::list& ops, const py::object& toke
 }
 
 // The host half of a device read: heads (header, token ids, key) of records whose data CRC
-// was computed on the device. specs: [(offset_in_heads, padded, record_id, parent_id,
+// was computed on the device. specs: [(offset_in_heads, span, record_id, parent_id,
 // block_index, hash, row, data_crc, bytes_read[, parent_hash])] -> [record status]
 // (parent_hash as in read_records).
 std::vector<int> check_heads(const py::buffer& heads, const py::list& specs, const py::object& tokens,
@@ -300,7 +300,7 @@ std::vector<int> check_heads(const py::buffer& heads, const py::list& specs, con
     record::HeaderV1 hdr;
     std::memcpy(&hdr, rec, sizeof(hdr));
     if (record::kHeaderBytes + 4ull * hdr.token_count + hdr.key_bytes > head_bytes) {
-      out.push_back(got < e.padded ? record::kTruncated : record::kHeader);
+      out.push_back(got < e.span ? record::kTruncated : record::kHeader);
       continue;
     }
     out.push_back(record::check(rec, got, e));
@@ -394,6 +394,7 @@ at::Tensor crc32c_device(const at::Tensor& data, const at::Tensor& offsets, cons
 void bind_io(py::module_& parent) {
   py::module_ m = parent.def_submodule("io", "dsv41's I/O engine (csrc/io)");
   m.attr("ALIGN") = io::kAlign;
+  m.attr("RECORD_ALIGN") = record::kRecordAlign;
   m.attr("HUGE_BYTES") = io::kHugeBytes;
   m.attr("FAULT_REFUSE_DIRECT_OPEN") = static_cast<uint32_t>(io::kFaultRefuseDirectOpen);
   m.attr("FAULT_REFUSE_DIRECT_IO") = static_cast<uint32_t>(io::kFaultRefuseDirectIo);

@@ -10,7 +10,7 @@ namespace dsv41 {
 namespace record {
 
 int check(const uint8_t* rec, uint64_t avail, const Expect& e) {
-  if (avail < e.padded || avail < kHeaderBytes) return kTruncated;
+  if (avail < e.span || avail < kHeaderBytes) return kTruncated;
   HeaderV1 h;
   std::memcpy(&h, rec, sizeof(h));
   if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != kFormatVersion ||
@@ -20,7 +20,7 @@ int check(const uint8_t* rec, uint64_t avail, const Expect& e) {
   const uint64_t min_payload_offset = kHeaderBytes + 4ull * h.token_count + h.key_bytes;
   if (h.record_id != e.record_id || h.parent_id != e.parent_id || h.block_index != e.block_index ||
       h.payload_bytes != e.payload_bytes || rb != uint64_t(h.payload_offset) + h.payload_bytes ||
-      (rb + 4095) / 4096 * 4096 != e.padded || h.payload_offset < min_payload_offset ||
+      span(rb) != e.span || h.payload_offset < min_payload_offset ||
       h.hash_bytes != e.hash_bytes || h.hash_bytes > 32 ||
       (e.hash_bytes && std::memcmp(h.block_hash, e.hash, e.hash_bytes) != 0))
     return kHeader;
@@ -56,20 +56,20 @@ uint64_t encode(uint8_t* rec, uint64_t room, const uint8_t* head, const uint32_t
   HeaderV1 h;
   std::memcpy(&h, head, sizeof(h));
   const uint64_t T = h.token_count, K = h.key_bytes, po = h.payload_offset, P = h.payload_bytes;
-  const uint64_t rb = h.record_bytes, padded = (rb + 4095) / 4096 * 4096;
-  if (po < kHeaderBytes + 4 * T + K || rb != po + P || padded > room) return 0;
+  const uint64_t rb = h.record_bytes, sp = span(rb);
+  if (po < kHeaderBytes + 4 * T + K || rb != po + P || sp > room) return 0;
   h.data_crc = 0;
   h.header_crc = 0;
   std::memcpy(rec + kHeaderBytes, tokens, 4 * T);
   std::memcpy(rec + kHeaderBytes + 4 * T, key, K);
   std::memset(rec + kHeaderBytes + 4 * T + K, 0, po - (kHeaderBytes + 4 * T + K));
-  std::memset(rec + rb, 0, padded - rb);
+  std::memset(rec + rb, 0, sp - rb);
   // The payload is copied by the pass that checksums it.
   h.data_crc = crc32c_copy(crc32c(0, rec + kHeaderBytes, po - kHeaderBytes), rec + po, payload, P);
   std::memcpy(rec, &h, sizeof(h));
   h.header_crc = crc32c(0, rec, 252);
   std::memcpy(rec + 252, &h.header_crc, 4);
-  return padded;
+  return sp;
 }
 
 }  // namespace record

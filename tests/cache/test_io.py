@@ -198,7 +198,7 @@ def _reference_record(head: bytes, tokens: np.ndarray, key: bytes, payload: np.n
     from dsv41.cache.store import format as sf
     h = np.frombuffer(head, sf.REC_DTYPE)[0]
     T, K, po, rb = int(h["token_count"]), int(h["key_bytes"]), int(h["payload_offset"]), int(h["record_bytes"])
-    rec = np.zeros(io.align_up(rb), np.uint8)
+    rec = np.zeros(sf.record_span(rb), np.uint8)  # zero fill to the span: the next record follows
     rec[256: 256 + 4 * T] = tokens.view(np.uint8)
     rec[256 + 4 * T: 256 + 4 * T + K] = np.frombuffer(key, np.uint8)
     rec[po: rb] = payload
@@ -220,14 +220,14 @@ def test_encode_records_matches_the_reference_layout():
         tokens = rng.integers(0, 1 << 32, T, dtype=np.uint64).astype("<u4")
         key = bytes(rng.integers(0, 256, K, dtype=np.uint8))
         payload = rng.integers(0, 256, P, dtype=np.uint8)
-        po, rb, padded = sf.record_geometry(T, K, P)
+        po, rb, span = sf.record_geometry(T, K, P)
         head = sf.pack_record_header(record_id=i + 1, parent_id=i, created_ns=123 + i, block_index=i, token_count=T,
                                      key_bytes=K, payload_offset=po, payload_bytes=P, record_bytes=rb,
                                      block_hash=bytes(rng.integers(0, 256, 32, dtype=np.uint8)),
                                      parent_hash=bytes(32), sealed=False)
         specs.append((at, head, tokens, key, payload))
         want.append((at, _reference_record(head, tokens, key, payload)))
-        at += padded
+        at += span  # packed, as in a segment
     buf, view = io.staging(at)
     view[:] = 0xA5  # stale bytes from an earlier chunk: gaps and padding must be zeroed
     eng.encode_records(buf, specs)

@@ -62,7 +62,7 @@ def extend_and_check(cache: PrefixCache, prompt: np.ndarray, rng) -> None:
 
 def test_lru_eviction_under_the_store_capacity(tmp_path):
     rng = np.random.default_rng(0)
-    cache = make(tmp_path, store_capacity_bytes=40 * (BB + 4096) + 64 * 4096)
+    cache = make(tmp_path, store_capacity_bytes=1 << 30)  # set below, once a record's span is known
     prompt = rand_tokens(rng, 4 * B)
     clock = cache.clock
     cache.release(cache.insert(prompt, pays(cache, prompt), "a"))
@@ -71,6 +71,9 @@ def test_lru_eviction_under_the_store_capacity(tmp_path):
     rid0 = cache.pool.slot(m.block_ids[0]).record_id
     cache.release(m)
     assert rid0 in cache.store
+    # Room for 40 records (packed: a record takes its span) and 16 pages of segment
+    # headers, footers and trailers.
+    cache.store.capacity_bytes = 40 * cache.store.record_info(rid0)["span_bytes"] + 16 * 4096
     # Newer prompts push the first one out of the store (LRU), not out of the pool.
     for _ in range(30):
         clock.t += 1

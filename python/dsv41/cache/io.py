@@ -23,13 +23,14 @@ import numpy as np
 
 from .._ext import _C
 
-__all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "HUGE_BYTES", "crc32c", "crc32c_sw",
+__all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c", "crc32c_sw",
            "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",
            "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME",
            "SEAL_DIR_SYNC", "SEAL_DONE"]
 
 _io = _C.io
 ALIGN: int = _io.ALIGN
+RECORD_ALIGN: int = _io.RECORD_ALIGN  # records are packed at this in a segment (dsv41/record.h)
 HUGE_BYTES: int = _io.HUGE_BYTES  # AlignedBuffers of this size or more are huge-page backed, in whole pages
 AlignedBuffer = _io.AlignedBuffer
 FAULT_REFUSE_DIRECT_OPEN: int = _io.FAULT_REFUSE_DIRECT_OPEN

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..._ext import _C
 from ..io import crc32c
-from ..store.format import (REC_HEADER, REC_HEADER_BYTES, REC_MAGIC, STORE_FORMAT_VERSION, pack_record_header,
+from ..store.format import (REC_HEADER, REC_HEADER_BYTES, REC_MAGIC, RECORD_FORMAT_VERSION, pack_record_header,
                             record_geometry)
 
 __all__ = ["encode_record", "encode_records", "RecordBatch", "verify_record", "verify_records", "chain_ids",
@@ -182,7 +182,7 @@ def verify_record(value, *, key: bytes, block_index: int, block_hash: bytes, par
         return Verified("corrupt")
     (magic, version, header_bytes, _, rec_id, parent_id, created, index, T, K, po_found, P, rbytes, hb, _,
      bhash, phash, _, data_crc, header_crc) = REC_HEADER.unpack_from(v)
-    if crc32c(v[:252]) != header_crc or magic != REC_MAGIC or version != STORE_FORMAT_VERSION \
+    if crc32c(v[:252]) != header_crc or magic != REC_MAGIC or version != RECORD_FORMAT_VERSION \
             or header_bytes != REC_HEADER_BYTES:
         return Verified("corrupt")
     po, want_bytes, _ = record_geometry(T, K, P)

@@ -1,4 +1,5 @@
-"""Byte-level on-disk format of the persistent prefix store (version 1).
+"""Byte-level on-disk format of the persistent prefix store (store format version 2,
+record format version 1).
 
 docs/cache.md ("On-disk format") is the prose version of this file; keep them in step.
 All integers are little-endian. A store directory holds:
@@ -8,12 +9,18 @@ All integers are little-endian. A store directory holds:
     journal.log              32-byte entries: access times, deletions, id watermarks
     seg-<seq>-<uuid>.dsv41   immutable segment files, published by rename
 
-Segment file (every part starts on a 4 KiB boundary):
+Segment file (header, footer and trailer start on 4 KiB boundaries; records are packed):
 
     [0, 4096)               segment header (SEG_HEADER + superseded uuids + crc)
-    [4096, footer_offset)   records, each padded to a multiple of 4096
+    [4096, records_end)     records back to back: each at the previous one's offset + its
+                            span (record_bytes rounded up to RECORD_ALIGN = 64)
+    [records_end, footer_offset)  zeros; footer_offset = records_end rounded up to 4096
     [footer_offset, ...)    footer: index of the records (FOOTER_ENTRY each) + key table
     last 4096 bytes         trailer (SEG_TRAILER + crc): where the footer is, its crc
+
+Every read and write of a segment still covers whole 4 KiB pages at 4 KiB offsets (O_DIRECT):
+a record is read as the page-aligned range around it, and the writer carries a chunk's
+last partial page over into the next chunk's write.
 
 Record (REC_HEADER, 256 bytes, then the data region):
 
@@ -21,10 +28,16 @@ Record (REC_HEADER, 256 bytes, then the data region):
     [256, 256 + 4 T)        token ids, uint32
     [.., + K)               the cache key encoding (namespace, model, format version)
     [payload_offset, +P)    the block payload (payload_offset = 64-byte aligned)
-    record_bytes = payload_offset + P; zero padding to the next 4096
+    record_bytes = payload_offset + P; zero fill to the span (a multiple of 64)
 
 header_crc = CRC-32C of header bytes [0, 252); data_crc = CRC-32C of [256, record_bytes).
 Both are verified on every read; together they cover every byte of the record.
+
+Versions: STORE_FORMAT_VERSION is the store's (manifest, segment header and trailer);
+version 1 padded every record to 4 KiB, so a version-1 store is refused at its manifest
+like any other format mismatch. RECORD_FORMAT_VERSION is a record's own bytes, unchanged
+by the packing (only where records lie changed), and shared with the remote tier's
+values (cache/remote/record.py) and the C++ check (include/dsv41/record.h).
 """
 from __future__ import annotations
 
@@ -37,17 +50,19 @@ import numpy as np
 
 from .. import io as _io
 
-__all__ = ["STORE_FORMAT_VERSION", "PAGE", "REC_MAGIC", "REC_HEADER", "REC_HEADER_BYTES", "REC_DTYPE",
-           "record_geometry", "pack_record_headers", "SEG_MAGIC", "SEG_TRAILER_MAGIC", "FOOTER_DTYPE", "JOURNAL_ENTRY",
-           "J_ACCESS", "J_DELETE", "J_WATERMARK", "encode_segment_header", "decode_segment_header",
+__all__ = ["STORE_FORMAT_VERSION", "RECORD_FORMAT_VERSION", "RECORD_ALIGN", "PAGE", "REC_MAGIC", "REC_HEADER",
+           "REC_HEADER_BYTES", "REC_DTYPE", "record_span", "record_geometry", "pack_record_headers", "SEG_MAGIC",
+           "SEG_TRAILER_MAGIC", "FOOTER_DTYPE", "JOURNAL_ENTRY", "J_ACCESS", "J_DELETE", "J_WATERMARK", "encode_segment_header", "decode_segment_header",
            "encode_trailer", "decode_trailer", "encode_footer", "decode_footer", "encode_journal",
            "decode_journal", "MANIFEST_NAME", "LOCK_NAME", "JOURNAL_NAME", "segment_name",
            "parse_segment_name", "manifest_checksum", "FormatError", "MAX_RECORD_ID", "MAX_KEY_BYTES",
            "MAX_SEGMENT_SEQ", "valid_record_id"]
 
-STORE_FORMAT_VERSION = 1
+STORE_FORMAT_VERSION = 2  # 2: records packed at RECORD_ALIGN (1: each padded to 4 KiB)
+RECORD_FORMAT_VERSION = 1  # a record's bytes (include/dsv41/record.h kFormatVersion)
 PAGE = _io.ALIGN  # 4096
 PAYLOAD_ALIGN = 64
+RECORD_ALIGN: int = _io.RECORD_ALIGN  # 64, from include/dsv41/record.h: the one definition
 MANIFEST_NAME = "MANIFEST.json"
 LOCK_NAME = "LOCK"
 JOURNAL_NAME = "journal.log"
@@ -87,12 +102,17 @@ def valid_record_id(rid: int) -> bool:
     return 0 < rid <= MAX_RECORD_ID
 
 
+def record_span(record_bytes: int) -> int:
+    """The bytes a record of `record_bytes` takes in a segment: the offset of the next one."""
+    return -(-record_bytes // RECORD_ALIGN) * RECORD_ALIGN
+
+
 @functools.lru_cache(maxsize=64)
 def record_geometry(token_count: int, key_bytes: int, payload_bytes: int) -> tuple[int, int, int]:
-    """(payload_offset, record_bytes, padded_bytes) of a record."""
+    """(payload_offset, record_bytes, span) of a record."""
     payload_offset = -(-(REC_HEADER_BYTES + 4 * token_count + key_bytes) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
     record_bytes = payload_offset + payload_bytes
-    return payload_offset, record_bytes, _io.align_up(record_bytes)
+    return payload_offset, record_bytes, record_span(record_bytes)
 
 
 def pack_record_header(*, record_id: int, parent_id: int, created_ns: int, block_index: int,
@@ -101,7 +121,7 @@ def pack_record_header(*, record_id: int, parent_id: int, created_ns: int, block
                        sealed: bool = True) -> bytes:
     """The 256-byte record header. sealed=False leaves data_crc and header_crc for the
     encoder to fill (IoEngine.encode_records computes both while it writes the record)."""
-    head = REC_HEADER.pack(REC_MAGIC, STORE_FORMAT_VERSION, REC_HEADER_BYTES, 0, record_id, parent_id,
+    head = REC_HEADER.pack(REC_MAGIC, RECORD_FORMAT_VERSION, REC_HEADER_BYTES, 0, record_id, parent_id,
                            created_ns, block_index, token_count, key_bytes, payload_offset, payload_bytes,
                            record_bytes, len(block_hash), b"", block_hash, parent_hash, b"", data_crc, 0)
     if not sealed:
@@ -121,7 +141,7 @@ def pack_record_headers(*, record_ids, parent_ids, created_ns: int, block_indice
     po = -(-(REC_HEADER_BYTES + 4 * token_count + kb) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
     h = np.zeros(n, REC_DTYPE)
     h["magic"] = REC_MAGIC
-    h["version"] = STORE_FORMAT_VERSION
+    h["version"] = RECORD_FORMAT_VERSION
     h["header_bytes"] = REC_HEADER_BYTES
     h["record_id"] = record_ids
     h["parent_id"] = parent_ids

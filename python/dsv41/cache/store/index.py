@@ -31,11 +31,13 @@ class SegmentFile:
 class StoredRecord:
     """Where one record lives and what the index needs to match and verify it."""
 
-    __slots__ = ("rid", "parent", "seg", "offset", "padded", "block_index", "created_ns", "atime_ns",
+    # offset: where the record starts in its segment (a multiple of RECORD_ALIGN); span:
+    # the bytes it takes there (format.record_span), which live-byte counts add up.
+    __slots__ = ("rid", "parent", "seg", "offset", "span", "block_index", "created_ns", "atime_ns",
                  "key_id", "hash")
 
-    def __init__(self, rid, parent, seg, offset, padded, block_index, created_ns, key_id, hash_):
-        self.rid, self.parent, self.seg, self.offset, self.padded = rid, parent, seg, offset, padded
+    def __init__(self, rid, parent, seg, offset, span, block_index, created_ns, key_id, hash_):
+        self.rid, self.parent, self.seg, self.offset, self.span = rid, parent, seg, offset, span
         self.block_index, self.created_ns, self.atime_ns = block_index, created_ns, created_ns
         self.key_id, self.hash = key_id, hash_
 
@@ -69,8 +71,8 @@ class RecordIndex:
         if r.parent:
             self.kids.setdefault(r.parent, set()).add(r.rid)
         r.seg.rids.add(r.rid)
-        r.seg.live_bytes += r.padded
-        self.live_total += r.padded
+        r.seg.live_bytes += r.span
+        self.live_total += r.span
 
     def add_many(self, rows: list[StoredRecord]) -> None:
         """add() of each row, none of them indexed yet (a commit's fresh records)."""
@@ -90,8 +92,8 @@ class RecordIndex:
                     k.add(r.rid)
             seg = r.seg
             seg.rids.add(r.rid)
-            seg.live_bytes += r.padded
-            self.live_total += r.padded
+            seg.live_bytes += r.span
+            self.live_total += r.span
 
     def remove(self, r: StoredRecord) -> None:
         self.recs.pop(r.rid, None)
@@ -112,8 +114,8 @@ class RecordIndex:
                     del self.kids[r.parent]
         if r.rid in r.seg.rids:
             r.seg.rids.discard(r.rid)
-            r.seg.live_bytes -= r.padded
-            self.live_total -= r.padded
+            r.seg.live_bytes -= r.span
+            self.live_total -= r.span
 
     def remove_subtree(self, r: StoredRecord) -> list[StoredRecord]:
         """Removes a record and every record below it (unreachable without it); returns

@@ -40,20 +40,25 @@ RECORD_STATUS = _io.RECORD_STATUS  # "ok", "truncated", "header", "checksum", "c
 
 def group_records(recs: list, status: list[str], usable: Callable[[SegmentFile], bool] = lambda seg: True) -> list[list]:
     """Groups records for reading: records back to back in one segment (a chain written
-    by one commit) share one I/O of up to GROUP_BYTES. Returns [segment, file offset,
-    size, [record index, ...]] per I/O; a None record, or one whose segment is not
-    usable, gets status "missing" instead."""
+    by one commit) share one I/O of up to GROUP_BYTES. Records are packed at 64 bytes, so
+    an I/O is the 4 KiB-aligned range that covers its records (O_DIRECT: offset and
+    length page-aligned); GROUP_BYTES counts those aligned bytes. Returns [segment, file
+    offset, size, [record index, ...], end of its last record] per I/O; a None record, or
+    one whose segment is not usable, gets status "missing" instead."""
     groups: list[list] = []
     for i, r in enumerate(recs):
         if r is None or not usable(r.seg):
             status[i] = "missing"
             continue
         g = groups[-1] if groups else None
-        if g is not None and g[0] is r.seg and g[1] + g[2] == r.offset and g[2] + r.padded <= GROUP_BYTES:
-            g[2] += r.padded
+        end = r.offset + r.span
+        if g is not None and g[0] is r.seg and g[4] == r.offset and _io.align_up(end) - g[1] <= GROUP_BYTES:
+            g[2] = _io.align_up(end) - g[1]
             g[3].append(i)
+            g[4] = end
         else:
-            groups.append([r.seg, r.offset, r.padded, [i]])
+            lo = r.offset // sf.PAGE * sf.PAGE
+            groups.append([r.seg, lo, _io.align_up(end) - lo, [i], end])
     return groups
 
 
@@ -100,7 +105,7 @@ def read_checked(store: PersistentStore, recs: list, tokens: np.ndarray | None, 
                 r = recs[i]
                 where[i] = pos + r.offset - base
                 ph = _parent_hash(get, r) if links else b""
-                specs.append((r.offset - base, r.padded, r.rid, r.parent, r.block_index, r.hash, i, ph))
+                specs.append((r.offset - base, r.span, r.rid, r.parent, r.block_index, r.hash, i, ph))
             ops.append((fds[g[0].uuid], base, g[2], buf, pos, specs))
             pos += g[2]
     try:
@@ -208,12 +213,12 @@ def read_into(store: PersistentStore, rids: list[int], tokens: np.ndarray | None
     groups = group_records(recs, status)
     staging = torch.empty(max(1, sum(g[2] for g in groups)), dtype=torch.uint8, device=dst.device)
     where, got, pos = {}, {}, 0
-    for seg, file_off, size, members in groups:
+    for seg, file_off, size, members, _ in groups:
         done, err = device_read(store, seg, staging, size, file_off, pos)
         for i in members:
-            rel_end = recs[i].offset - file_off + recs[i].padded
+            rel_end = recs[i].offset - file_off + recs[i].span
             where[i] = pos + recs[i].offset - file_off
-            got[i] = recs[i].padded if done >= rel_end else max(0, done - (rel_end - recs[i].padded))
+            got[i] = recs[i].span if done >= rel_end else max(0, done - (rel_end - recs[i].span))
             if done < rel_end and err:
                 status[i] = "missing" if err in (errno.ENOENT, errno.EBADF) else "io"
         pos += size
@@ -222,8 +227,10 @@ def read_into(store: PersistentStore, rids: list[int], tokens: np.ndarray | None
         settle(store, rids, recs, status, t0)
         return status
     # The heads come back to the host first: their record_bytes say which range to checksum.
+    # A head is header, token ids and key up to the payload: within any intact record's
+    # span (a page-rounded head could run past a small packed record's end).
     T = store.identity.block_tokens
-    head_bytes = _io.align_up(sf.REC_HEADER_BYTES + 4 * T + len(key))
+    head_bytes = sf.record_geometry(T, len(key), P)[0]
     heads_dev = torch.stack([staging[where[i]: where[i] + head_bytes] if got[i] >= head_bytes
                              else torch.zeros(head_bytes, dtype=torch.uint8, device=dst.device)
                              for i in live])
@@ -236,7 +243,7 @@ def read_into(store: PersistentStore, rids: list[int], tokens: np.ndarray | None
     crcs = device_crc(store, staging, ranges)
     with store._lock:
         get = store._ix.recs.get
-        specs = [(k * head_bytes, recs[i].padded, recs[i].rid, recs[i].parent, recs[i].block_index, recs[i].hash,
+        specs = [(k * head_bytes, recs[i].span, recs[i].rid, recs[i].parent, recs[i].block_index, recs[i].hash,
                   i, crcs[k], got[i], _parent_hash(get, recs[i])) for k, i in enumerate(live)]
     codes = _io._io.check_heads(heads.reshape(-1), specs, tokens, key, P, head_bytes)
     for i, code in zip(live, codes):
@@ -288,7 +295,7 @@ def load(store: PersistentStore, key: bytes, hashes: list[bytes], tokens: np.nda
     there, after any other candidate for that block has been tried."""
     loaded: list[int] = []
     exclude: set[int] = set()
-    per = max(1, READ_BATCH // _padded_guess(store))
+    per = max(1, READ_BATCH // _span_guess(store))
     i = 0
     while i < len(hashes):
         chain = store.walk(key, hashes[i:], loaded[-1] if loaded else parent, exclude)
@@ -316,5 +323,6 @@ def load(store: PersistentStore, key: bytes, hashes: list[bytes], tokens: np.nda
     return loaded
 
 
-def _padded_guess(store: PersistentStore) -> int:
-    return _io.align_up(store.identity.block_bytes + 4096)
+def _span_guess(store: PersistentStore) -> int:
+    """About the bytes one record takes (payload plus a head of a few KiB at most)."""
+    return store.identity.block_bytes + 4096

@@ -24,6 +24,8 @@ __all__ = ["SegmentLoader", "read_exact"]
 
 log = logging.getLogger("dsv41.cache.store")
 
+SCAN_WINDOW = 1 << 20  # bytes a scan reads at a time while it looks for record headers
+
 
 def read_exact(fd: int, offset: int, length: int) -> bytes:
     """Up to `length` bytes at `offset` (fewer only at the end of the file)."""
@@ -93,6 +95,8 @@ class SegmentLoader:
             raise sf.FormatError("trailer belongs to another segment")
         if trailer.footer_offset + trailer.footer_bytes > size - sf.PAGE:
             raise sf.FormatError("footer lies outside the file")
+        if trailer.footer_offset % sf.PAGE or trailer.footer_offset < sf.PAGE:
+            raise sf.FormatError("footer offset is not a page boundary after the header")
         data = read_exact(fd, trailer.footer_offset, trailer.footer_bytes)
         if _io.crc32c(data) != trailer.footer_crc:
             raise sf.FormatError("footer checksum mismatch")
@@ -104,10 +108,13 @@ class SegmentLoader:
         key_ids = [self.index.key_id(k) for k in keys]
         T, P = self.identity.block_tokens, self.identity.block_bytes
         rows = []
+        # Each record must start at a RECORD_ALIGN boundary in [PAGE, footer_offset) and
+        # end before the next one (by offset) starts: an entry overlapping another would
+        # let two index entries claim the same bytes.
         for e in entries:
             off, rbytes = int(e["offset"]), int(e["record_bytes"])
-            padded = _io.align_up(rbytes)
-            if off % sf.PAGE or off < sf.PAGE or off + padded > trailer.footer_offset:
+            span = sf.record_span(rbytes)
+            if off % sf.RECORD_ALIGN or off < sf.PAGE or off + span > trailer.footer_offset:
                 raise sf.FormatError("footer entry points outside the record area")
             kb = len(keys[int(e["key_index"])])
             if int(e["token_count"]) != T or rbytes != sf.record_geometry(T, kb, P)[1]:
@@ -115,21 +122,36 @@ class SegmentLoader:
             if not sf.valid_record_id(int(e["record_id"])) or int(e["parent_id"]) > sf.MAX_RECORD_ID:
                 raise sf.FormatError("footer entry has a record id out of range")
             hb = int(e["hash_bytes"])
-            rows.append(StoredRecord(int(e["record_id"]), int(e["parent_id"]), seg, off, padded,
+            rows.append(StoredRecord(int(e["record_id"]), int(e["parent_id"]), seg, off, span,
                              int(e["block_index"]), int(e["created_ns"]), key_ids[int(e["key_index"])],
                              bytes(e["block_hash"])[:hb]))
+        if len(rows) > 1:
+            starts = np.array([r.offset for r in rows], dtype=np.int64)
+            ends = starts + np.array([r.span for r in rows], dtype=np.int64)
+            order = np.argsort(starts, kind="stable")
+            if (starts[order[1:]] < ends[order[:-1]]).any():
+                raise sf.FormatError("footer entries overlap")
         return rows
 
     def _rows_from_scan(self, fd: int, size: int, seg: SegmentFile) -> list[StoredRecord]:
         rows = []
         off = sf.PAGE
-        while off + sf.PAGE <= size:
-            page = read_exact(fd, off, sf.PAGE)
-            h = np.frombuffer(page[: sf.REC_HEADER_BYTES], dtype=sf.REC_DTYPE)[0]
-            ok = (h["magic"] == sf.REC_MAGIC and int(h["version"]) == sf.STORE_FORMAT_VERSION
-                  and _io.crc32c(page[:252]) == int(h["header_crc"]))
+        # Records are packed at RECORD_ALIGN, so a damaged header is skipped by trying
+        # the next RECORD_ALIGN boundary. The file is read a window at a time (a pread per
+        # 64-byte step would be thousands of syscalls per megabyte of damage).
+        win, win_off = b"", 0
+        while off + sf.REC_HEADER_BYTES <= size:
+            if not (win_off <= off and off + sf.REC_HEADER_BYTES <= win_off + len(win)):
+                win_off, win = off, read_exact(fd, off, SCAN_WINDOW)
+                if len(win) < sf.REC_HEADER_BYTES:
+                    break
+            at = off - win_off
+            hb_ = win[at: at + sf.REC_HEADER_BYTES]
+            h = np.frombuffer(hb_, dtype=sf.REC_DTYPE)[0]
+            ok = (h["magic"] == sf.REC_MAGIC and int(h["version"]) == sf.RECORD_FORMAT_VERSION
+                  and _io.crc32c(hb_[:252]) == int(h["header_crc"]))
             if not ok:
-                off += sf.PAGE  # resynchronise on the next page
+                off += sf.RECORD_ALIGN  # resynchronise on the next record boundary
                 continue
             rbytes, kb, tc = int(h["record_bytes"]), int(h["key_bytes"]), int(h["token_count"])
             # Every field is bounded before it sizes a read: a crafted header with a valid
@@ -138,17 +160,17 @@ class SegmentLoader:
             if (tc != T or kb > sf.MAX_KEY_BYTES or int(h["payload_bytes"]) != P
                     or rbytes != sf.record_geometry(T, kb, P)[1] or not sf.valid_record_id(int(h["record_id"]))
                     or int(h["parent_id"]) > sf.MAX_RECORD_ID):
-                off += sf.PAGE
+                off += sf.RECORD_ALIGN
                 continue
-            padded = _io.align_up(rbytes)
-            if off + padded > size:
+            span = sf.record_span(rbytes)
+            if off + span > size:
                 break  # truncated: the reads would come up short, so it is not indexed
             kstart = sf.REC_HEADER_BYTES + 4 * tc
             head = read_exact(fd, off, kstart + kb)
             key = head[kstart: kstart + kb]
             hb = int(h["hash_bytes"])
-            rows.append(StoredRecord(int(h["record_id"]), int(h["parent_id"]), seg, off, padded,
+            rows.append(StoredRecord(int(h["record_id"]), int(h["parent_id"]), seg, off, span,
                              int(h["block_index"]), int(h["created_ns"]), self.index.key_id(key),
                              bytes(h["block_hash"])[:hb]))
-            off += padded
+            off += span
         return rows

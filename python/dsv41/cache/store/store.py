@@ -424,7 +424,7 @@ class PersistentStore:
             if r is None:
                 return None
             return {"record_id": r.rid, "parent_id": r.parent, "segment": r.seg.name, "offset": r.offset,
-                    "padded_bytes": r.padded, "block_index": r.block_index, "created_ns": r.created_ns,
+                    "span_bytes": r.span, "block_index": r.block_index, "created_ns": r.created_ns,
                     "atime_ns": r.atime_ns, "key": self._ix.keys[r.key_id], "hash": r.hash}
 
     def record_ids(self) -> list[int]:
@@ -619,7 +619,7 @@ class PersistentStore:
                 ns = decode_key(self._ix.keys[r.key_id]).get("namespace", "?")
                 d = per_ns.setdefault(ns, {"records": 0, "bytes": 0})
                 d["records"] += 1
-                d["bytes"] += r.padded
+                d["bytes"] += r.span
             atimes = [r.atime_ns for r in self._ix.recs.values()]
             out = {
                 "path": str(self.path),

@@ -34,7 +34,7 @@ def verify(store: PersistentStore, progress: Callable[[int, int], None] | None =
         hashes = {r.rid: r.hash for r in recs}
     hasher = None if store.hash_fn is None else BlockHasher(store.identity.block_tokens, store.hash_fn,
                                                             store.identity.hash_name)
-    total = sum(r.padded for r in recs)
+    total = sum(r.span for r in recs)
     report = {"records": len(recs), "bytes": total, "ok": 0, "failed": {}, "failed_records": [],
               "damaged_segments": sum(1 for s in store._segs.values() if s.damaged),
               # Problems found while opening: segments of another store (a manifest
@@ -48,9 +48,9 @@ def verify(store: PersistentStore, progress: Callable[[int, int], None] | None =
     i = 0
     while i < len(recs):
         batch, size = [], 0
-        while i < len(recs) and (not batch or size + recs[i].padded <= reads.READ_BATCH):
+        while i < len(recs) and (not batch or size + recs[i].span <= reads.READ_BATCH):
             batch.append(recs[i])
-            size += recs[i].padded
+            size += recs[i].span
             i += 1
         with store._reading():
             status, item, where = reads.read_checked(store, batch, None, None, None)
@@ -68,7 +68,7 @@ def verify(store: PersistentStore, progress: Callable[[int, int], None] | None =
                 store.metrics.checksum_failures.inc(kind=st)
                 if repair:
                     store._delete(r.rid, "corruption")
-            done_bytes += r.padded
+            done_bytes += r.span
         store._put_staging(item)
         if progress is not None:
             progress(done_bytes, total)

@@ -49,7 +49,7 @@ class _Layout:
     """Where a segment's records go and what its footer says, as arrays (one Python step
     per record at most: a commit of 64K-token prefixes holds thousands of records)."""
 
-    __slots__ = ("n", "offsets", "padded", "entries", "keys", "heads")
+    __slots__ = ("n", "offsets", "spans", "end", "entries", "keys", "heads")
 
     def __init__(self, n: int):
         self.n = n
@@ -57,11 +57,18 @@ class _Layout:
         self.keys: list[bytes] = []
         self.heads: bytes = b""  # new records: their unsealed 256-byte heads, back to back
 
-    def place(self, padded: np.ndarray) -> None:
-        self.padded = padded.tolist()
-        ends = sf.PAGE + np.cumsum(padded, dtype=np.int64)
-        self.offsets = (ends - padded).tolist()
-        self.entries["offset"] = ends - padded
+    def place(self, spans: np.ndarray) -> None:
+        """Packs the records back to back after the header page: record i at the end of
+        record i - 1 (spans are multiples of RECORD_ALIGN); `end` is where the last ends."""
+        self.spans = spans.tolist()
+        ends = sf.PAGE + np.cumsum(spans, dtype=np.int64)
+        self.offsets = (ends - spans).tolist()
+        self.entries["offset"] = ends - spans
+        self.end = int(ends[-1]) if self.n else sf.PAGE
+
+    def bound(self, i: int) -> int:
+        """Where record i starts (i == n: where the records end)."""
+        return self.offsets[i] if i < self.n else self.end
 
     @classmethod
     def for_new(cls, records: list, created: int, block_tokens: int, block_bytes: int) -> "_Layout":
@@ -78,7 +85,7 @@ class _Layout:
             token_count=block_tokens, key_bytes=klen, payload_bytes=block_bytes, block_hashes=block_hashes,
             parent_hashes=parent_hashes)
         rbytes = heads["record_bytes"].astype(np.int64)
-        lay.place((rbytes + sf.PAGE - 1) // sf.PAGE * sf.PAGE)
+        lay.place(-(-rbytes // sf.RECORD_ALIGN) * sf.RECORD_ALIGN)  # record_span, for the array
         e = lay.entries
         for f in ("record_id", "parent_id", "created_ns", "record_bytes", "block_index", "token_count",
                   "hash_bytes", "block_hash"):
@@ -94,7 +101,7 @@ class _Layout:
         key_ix: dict[bytes, int] = {}
         kis = [key_ix.setdefault(index.keys[r.key_id], len(key_ix)) for r, _, _ in raw]
         lay.keys = list(key_ix)
-        lay.place(np.array([r.padded for r, _, _ in raw], dtype=np.int64))
+        lay.place(np.array([r.span for r, _, _ in raw], dtype=np.int64))
         heads = np.stack([v[o: o + sf.REC_HEADER_BYTES] for _, v, o in raw]).view(sf.REC_DTYPE).reshape(-1)
         e = lay.entries
         e["record_id"] = [r.rid for r, _, _ in raw]
@@ -109,23 +116,24 @@ class _Layout:
         return lay
 
     def chunks(self, limit: int, tail: int) -> list[tuple[int, int, int]]:
-        """(first, end, record bytes) of the segment's chunk writes: runs of records that
-        fit `limit` bytes (a record larger than that gets a chunk of its own) with the
-        header page counted in the first chunk and `tail` (footer and trailer) in the
-        last; the tail gets a chunk of its own (first == end) when it does not fit."""
-        out, first, size = [], 0, sf.PAGE
-        for i, n in enumerate(self.padded):
-            if i > first and size + n > limit:
-                out.append((first, i, size))
-                first, size = i, 0
-            size += n
-        if size + tail > limit and self.n:
-            out.append((first, self.n, size))
-            first, size = self.n, 0
-        out.append((first, self.n, size))
-        # Sizes above count the header page in the first chunk: report record bytes only.
-        f0, e0, s0 = out[0]
-        out[0] = (f0, e0, s0 - sf.PAGE)
+        """(first, end, start) of the segment's chunk writes: records [first, end) are
+        encoded into one staging buffer whose byte 0 is file offset `start` (a page
+        boundary). Records are packed, so a chunk's records seldom end on a page: its
+        write stops at its last full page and the partial page left is carried to the
+        start of the next chunk's buffer (O_DIRECT writes whole pages). A buffer holds at
+        most `limit` bytes, carried page, header page (first chunk) and `tail` (footer and
+        trailer, after the zeros up to the next page; last chunk) included, except that a
+        record larger than that gets a chunk of its own; the tail gets a chunk of its own
+        (first == end) when it does not fit."""
+        out, first, start = [], 0, 0
+        for i in range(self.n):
+            if i > first and self.offsets[i] + self.spans[i] - start > limit:
+                out.append((first, i, start))
+                first, start = i, self.offsets[i] // sf.PAGE * sf.PAGE
+        if self.n and _io.align_up(self.end) + tail - start > limit:
+            out.append((first, self.n, start))
+            first, start = self.n, self.end // sf.PAGE * sf.PAGE
+        out.append((first, self.n, start))
         return out
 
 
@@ -204,9 +212,10 @@ def start_segment(store: PersistentStore, records: list, supersedes: list[bytes]
     # out with the first chunk and footer and trailer with the last, so a segment is one
     # stream of chunk writes (then one fdatasync) rather than chunks plus two more writes.
     footer = sf.encode_footer(lay.entries, lay.keys)
-    footer_off = sf.PAGE + sum(lay.padded)
+    footer_off = _io.align_up(lay.end)  # zeros from the last record's end to the page
     fpad = _io.align_up(len(footer))
     tail_size = fpad + sf.PAGE
+    file_bytes = footer_off + tail_size
     trailer = sf.encode_trailer(sf.SegmentTrailer(uuid, footer_off, len(footer), lay.n, _io.crc32c(footer)))
     header = sf.encode_segment_header(sf.SegmentHeader(uuid, seq, time.time_ns(), store.identity.store_id,
                                                        lay.n, list(supersedes)))
@@ -215,38 +224,50 @@ def start_segment(store: PersistentStore, records: list, supersedes: list[bytes]
     u = Unsealed(tmp, name, f, SegmentFile(uuid, seq, name, 0), raw is not None)
     try:
         heads = lay.heads
-        offset = 0  # file offset of this chunk's write
-        for ci, (first, end, size) in enumerate(chunks):
-            lead = sf.PAGE if ci == 0 else 0  # the segment header
-            trail = tail_size if ci == len(chunks) - 1 else 0  # footer and trailer
-            total = lead + size + trail
+        carry = None  # the previous chunk's partial last page: bytes [its write's end, start of `first`)
+        for ci, (first, end, start) in enumerate(chunks):
+            last = ci == len(chunks) - 1
+            # This buffer holds file bytes [start, stop); it writes them up to its last
+            # full page (all of them in the last chunk, which ends with the trailer page).
+            stop = file_bytes if last else lay.bound(end)
+            total = stop if last else stop // sf.PAGE * sf.PAGE
+            total -= start
             # Encode this chunk while the ones before are being written (at most
             # IN_FLIGHT of them, this segment's or an earlier one's still being sealed).
             while len(store._in_flight) >= IN_FLIGHT:
                 _reap_one(store)
-            item = store._get_staging(total)
+            item = store._get_staging(stop - start)
             buf, view = item
             try:
-                if lead:
+                if ci == 0:
                     view[: sf.PAGE] = np.frombuffer(header, dtype=np.uint8)
+                elif carry is not None and len(carry):
+                    view[: len(carry)] = carry
                 if raw is not None:
                     for i in range(first, end):
                         rec, src_view, src_off = raw[i]
-                        at = lay.offsets[i] - offset
-                        view[at: at + rec.padded] = src_view[src_off: src_off + rec.padded]
+                        at, rb = lay.offsets[i] - start, int(lay.entries["record_bytes"][i])
+                        view[at: at + rb] = src_view[src_off: src_off + rb]
+                        view[at + rb: at + rec.span] = 0  # the fill after a record is zeros, as encoded
                 elif end > first:
-                    base = offset
                     store._eng.encode_records(buf, [
-                        (lay.offsets[i] - base, heads[i * 256: i * 256 + 256], p.tokens, p.key, p.payload)
+                        (lay.offsets[i] - start, heads[i * 256: i * 256 + 256], p.tokens, p.key, p.payload)
                         for i, p in zip(range(first, end), records[first:end])])
                 store._hook("write")
-                if trail:
-                    at = lead + size
+                if last:
+                    at = footer_off - start
+                    view[lay.end - start: at] = 0
                     view[at: at + tail_size] = 0
                     view[at: at + len(footer)] = np.frombuffer(footer, dtype=np.uint8)
                     view[at + fpad: at + tail_size] = np.frombuffer(trailer, dtype=np.uint8)
                     store._hook("footer")
-                ticket = store._eng.submit_write(f.fd, offset, buf, 0, total)
+                else:
+                    # Copied now: the buffer goes back to the pool once written.
+                    carry = view[total: stop - start].copy()
+                if total == 0:  # less than a page so far (tiny records before a huge one)
+                    store._put_staging(item)
+                    continue
+                ticket = store._eng.submit_write(f.fd, start, buf, 0, total)
             except BaseException:
                 store._put_staging(item)
                 raise
@@ -254,11 +275,10 @@ def start_segment(store: PersistentStore, records: list, supersedes: list[bytes]
             u.first_ticket = u.first_ticket or ticket
             u.last_ticket = ticket
             store._in_flight.append((ticket, item, total, u))
-            offset += total
         # The index entries are built while the last chunks are being written.
         u.new_recs = _stored_records(store, lay, u.seg, [r.hash for r, _, _ in raw] if raw is not None
                                      else [p.block_hash for p in records])
-        u.file_bytes = footer_off + tail_size
+        u.file_bytes = file_bytes
         if raw is None:
             u.rids = {p.rid for p in records}
             u.outside_parents = {p.parent for p in records if p.parent and p.parent not in u.rids}
@@ -327,9 +347,9 @@ def _stored_records(store: PersistentStore, lay: _Layout, seg: SegmentFile, hash
         kid = [store._ix.key_id(k) for k in lay.keys]
     e = lay.entries
     created = e["created_ns"].tolist()
-    return [StoredRecord(rid, parent, seg, off, padded, bi, c, kid[ki], h)
-            for rid, parent, off, padded, bi, c, ki, h in zip(
-                e["record_id"].tolist(), e["parent_id"].tolist(), lay.offsets, lay.padded,
+    return [StoredRecord(rid, parent, seg, off, span, bi, c, kid[ki], h)
+            for rid, parent, off, span, bi, c, ki, h in zip(
+                e["record_id"].tolist(), e["parent_id"].tolist(), lay.offsets, lay.spans,
                 e["block_index"].tolist(), created, e["key_index"].tolist(), hashes)]
 
 
