@@ -76,6 +76,20 @@ def best_of(fn, repeat: int) -> float:
 
 # ---- store vs raw ------------------------------------------------------------------------
 
+def _best_method(times: dict[str, list[float]]) -> str:
+    """The raw method with the lowest median time over the runs. Not the one with the
+    single best run: on this disk a run's time moves by 20-50%, and taking the minimum
+    over four methods' runs against the store's own runs picks the luckiest of four times
+    as many samples (recomputed on the samples of the 75c53f1 runs, that choice, kept as
+    *_any_method, put ratios up to 0.16x lower)."""
+    return min(times, key=lambda n: statistics.median(times[n]))
+
+
+def _paired_median(raw: list[float], store: list[float]) -> float:
+    """Median over runs of raw time / store time, each run's pair measured back to back."""
+    return statistics.median(r / s for r, s in zip(raw, store))
+
+
 def bench_store(args, out: dict) -> None:
     out["store"] = {}
     for chain_tokens in args.chain_tokens:
@@ -252,8 +266,9 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
             st.close()
             return time.perf_counter() - t0
 
-        # Baseline and store alternate, run after run, so both see the same disk weather;
-        # the ratio of the best times is reported, and the median of the per-run ratios.
+        # Baseline and store alternate, run after run, so both see the same disk weather.
+        # The baseline is the raw method with the lowest median time; the ratio of its best
+        # time to the store's is reported, and the median of the per-run ratios (_best_method).
         w_raw = {name: [] for name in raw_writes}
         w_one = {name: [] for name in raw_writes_one_call}
         w_st = []
@@ -264,10 +279,9 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
                 w_one[name].append(timed_raw_write(fn))
             shutil.rmtree(store_dir, ignore_errors=True)  # likewise: not part of writing
             w_st.append(store_write())
-        best_w = min(w_raw, key=lambda n: min(w_raw[n]))
-        best_w1 = min(w_one, key=lambda n: min(w_one[n]))
+        best_w, best_w1 = _best_method(w_raw), _best_method(w_one)
         t_raw_w, t_st_w, t_one_w = min(w_raw[best_w]), min(w_st), min(w_one[best_w1])
-        paired_w = statistics.median(min(w[i] for w in w_raw.values()) / w_st[i] for i in range(args.repeat))
+        paired_w = _paired_median(w_raw[best_w], w_st)
         log(f"write: raw {raw_bytes / t_raw_w / 1e9:.2f} GB/s (best: {best_w}, {len(commit_spans)} fsyncs like the "
             f"store's commits), store {raw_bytes / t_st_w / 1e9:.2f} GB/s ({t_raw_w / t_st_w:.2f} x raw, per-run "
             f"median {paired_w:.2f}); raw in one call with one fsync {raw_bytes / t_one_w / 1e9:.2f} GB/s")
@@ -295,8 +309,7 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
             r_st.append(best_of(store_read, 1))
             for name, fn in raw_reads_one_call.items():
                 r_one[name].append(best_of(fn, 1))
-        best_r = min(r_raw, key=lambda n: min(r_raw[n]))
-        best_r1 = min(r_one, key=lambda n: min(r_one[n]))
+        best_r, best_r1 = _best_method(r_raw), _best_method(r_one)
         t_raw_r, t_st_r, t_one_r = min(r_raw[best_r]), min(r_st), min(r_one[best_r1])
         assert np.array_equal(dst, payload), "payload read back differs"
 
@@ -343,7 +356,7 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
         assert np.array_equal(dst, payload), "payload read back differs"
         file_bytes = st.file_bytes()
         st.close()
-        paired = statistics.median(min(r[i] for r in r_raw.values()) / r_st[i] for i in range(args.repeat))
+        paired = _paired_median(r_raw[best_r], r_st)
         log(f"read: raw {raw_bytes / t_raw_r / 1e9:.2f} GB/s (best: {best_r}, one prefix of {chain_span:,} B per "
             f"call like load()), store verified {raw_bytes / t_st_r / 1e9:.2f} GB/s ({t_raw_r / t_st_r:.2f} x raw, "
             f"per-run median {paired:.2f}); raw 64 MiB per call {raw_bytes / t_one_r / 1e9:.2f} GB/s")
@@ -361,6 +374,8 @@ def bench_store_one(args, chain_tokens: int, results: dict) -> None:
             "store_write_gbps": raw_bytes / t_st_w / 1e9, "store_read_gbps": raw_bytes / t_st_r / 1e9,
             "write_ratio_vs_raw": t_raw_w / t_st_w, "write_ratio_vs_raw_median_of_runs": paired_w,
             "write_ratio_vs_raw_one_call": t_one_w / t_st_w,
+            "write_ratio_vs_raw_any_method": min(map(min, w_raw.values())) / t_st_w,
+            "read_ratio_vs_raw_any_method": min(map(min, r_raw.values())) / t_st_r,
             "read_ratio_vs_raw": t_raw_r / t_st_r, "read_ratio_vs_raw_median_of_runs": paired,
             "read_ratio_vs_raw_64MiB_per_call": t_one_r / t_st_r,
             "read_ratio_vs_raw_interleaved": inter_total, "read_ratio_vs_raw_interleaved_passes": [inter, inter_best],
