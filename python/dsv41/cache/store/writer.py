@@ -476,9 +476,8 @@ def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> Comm
 def _segment_groups(store: PersistentStore, pending: list) -> list[list]:
     """Splits a commit's records, in put order, into segments of at most segment_bytes
     (each record counts its span and 128 bytes of footer, more than its 88-byte entry).
-    One Python step per
-    segment: a 64K-token commit is thousands of records, and this runs before the
-    first chunk write can start."""
+    One Python step per segment: a 64K-token commit is thousands of records, and this
+    runs before the first chunk write can start."""
     if not pending:
         return []
     T, P = store.identity.block_tokens, store.identity.block_bytes
