@@ -9,6 +9,7 @@ with --cache-dir, the persistent SSD tier; --no-prefix-cache runs without any.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,12 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     print(f"dsv41 serve: model {server.model_name!r} ({server.tokenizer.name} tokenizer) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    # What start-up built (torch, the model, the recovered SSD index) lives as long as the
+    # server: moved out of the cyclic collector's reach, a full collection then walks only
+    # what came after, not the ~363K objects of a tiny-preset start-up (213 ms a pass on
+    # the development VM, every thread stalled; docs/serve.md).
+    gc.collect()
+    gc.freeze()
     try:
         uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
