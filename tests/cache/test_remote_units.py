@@ -223,6 +223,60 @@ def test_deadline_and_breaker_bound_a_hanging_backend():
     g.close()
 
 
+class _Threads(RemoteBackend):
+    """Records which thread runs each call; a call for key "hang" blocks until released."""
+    scheme = "threads"
+
+    def __init__(self):
+        super().__init__("threads://")
+        self.release = threading.Event()
+        self.ran_on: list[int] = []
+
+    def exists(self, keys):
+        self.ran_on.append(threading.get_ident())
+        if "hang" in keys:
+            self.release.wait(10)
+        return [True] * len(keys)
+
+    get = put = remove = exists
+
+
+def test_calls_run_on_one_warm_worker_and_overflow_while_it_hangs():
+    m = RemoteMetrics(MetricsRegistry())
+    be = _Threads()
+    g = Guarded(be, m, workers=3, breaker_failures=5, breaker_cooldown_s=60)
+    assert g.wait_connected(5)
+    # Three calls at once: every worker thread exists and has run a call.
+    callers = [threading.Thread(target=g.call, args=("exists", 5.0, ["hang"])) for _ in range(3)]
+    for t in callers:
+        t.start()
+    deadline = time.monotonic() + 5
+    while len(be.ran_on) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(set(be.ran_on)) == 3
+    be.release.set()
+    for t in callers:
+        t.join()
+    while g._busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    be.release.clear()
+    # One call after another: always the same (primary) worker, never the caller.
+    del be.ran_on[:]
+    for _ in range(6):
+        assert g.call("exists", 1.0, ["k"]) == [True]
+    primary = be.ran_on[0]
+    assert be.ran_on == [primary] * 6 and primary != threading.get_ident()
+    with pytest.raises(RemoteUnavailable):
+        g.call("exists", 0.05, ["hang"])  # the primary worker is now stuck in it
+    assert g.call("exists", 1.0, ["k"]) == [True]
+    assert be.ran_on[-1] != primary     # served by another worker meanwhile
+    be.release.set()
+    while g._busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert g.call("exists", 1.0, ["k"]) == [True] and be.ran_on[-1] == primary
+    g.close()
+
+
 def test_cxx_sha256_and_chain_ids_equal_the_python_definitions():
     """The C++ SHA-256 (SHA extensions and portable code) equals hashlib at every padding
     edge, and the C++ chain ids equal _chain_step bit for bit: random token ids over the

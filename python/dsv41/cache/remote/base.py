@@ -114,7 +114,14 @@ class Guarded:
         self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s, clock,
                                       on_change=lambda s: metrics.breaker_state.set(s, backend=self.name))
         metrics.breaker_state.set(0, backend=self.name)
-        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"dsv41-remote-{self.name}")
+        # Calls run on one primary worker while it is free, and on the others only while it
+        # is busy (a hung call): the same warm thread every time took 85-120 us less per
+        # Mooncake get of 32 blocks (1.5-2.4 ms) than whichever of four pooled threads woke
+        # (p50 of 150-200 calls alternated with the raw client's, one process, loopback).
+        self._primary = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dsv41-remote-{self.name}-0")
+        self._primary_busy = False
+        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, workers - 1),
+                                           thread_name_prefix=f"dsv41-remote-{self.name}")
         self._busy = 0
         self._workers = workers
         self._lock = threading.Lock()
@@ -186,11 +193,13 @@ class Guarded:
             else:
                 busy = False
                 self._busy += 1
+                primary = not self._primary_busy
+                self._primary_busy = self._primary_busy or primary
         if busy:
             self.breaker.failure()
             m.errors.inc(backend=self.name, cause="busy")
             raise RemoteUnavailable("busy", "every worker is waiting on the backend")
-        fut = self._pool.submit(self._run, op, args, kwargs)
+        fut = (self._primary if primary else self._pool).submit(self._run, op, args, kwargs, primary)
         try:
             return fut.result(timeout=timeout_s)
         except cf.TimeoutError:
@@ -198,17 +207,20 @@ class Guarded:
             m.errors.inc(backend=self.name, cause="timeout")
             raise RemoteUnavailable("timeout", f"{op} took over {timeout_s * 1e3:.0f} ms") from None
 
-    def _run(self, op, args, kwargs):
+    def _run(self, op, args, kwargs, primary: bool = False):
         try:
             return getattr(self.backend, op)(*args, **kwargs)
         finally:
             with self._lock:
                 self._busy -= 1
+                if primary:
+                    self._primary_busy = False
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Closes the backend, waiting at most timeout_s. A client must not be closed under
         a call still running in a worker (Mooncake's segfaults): when calls hang past the
         wait, the client is left to be freed with the last reference to it instead."""
+        self._primary.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         end = time.monotonic() + timeout_s
         while self._busy and time.monotonic() < end:
