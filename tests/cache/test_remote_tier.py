@@ -156,29 +156,37 @@ def test_namespaces_and_models_never_cross(servers):
             c.close()
 
 
+def _foreign_sized_blocks_are_misses(a, tok, seed: int, long_ns: str, short_ns: str, write_raw) -> None:
+    """Blocks encoded under one namespace and written, through the backend's own client
+    (write_raw(keys, values) is true on success), under the other namespace's keys: one
+    namespace is 63 bytes longer, so the values are longer, then shorter, than the records
+    of the namespace that reads them. Each lookup is a miss counted as foreign."""
+    for src, dst in ((long_ns, short_ns), (short_ns, long_ns)):
+        key = a.key(src)
+        hs = a.hasher.hash_blocks(tok, key)
+        items = a.remote.block_values(key, src, hs, as_token_array(tok).reshape(2, B), range(2),
+                                      payloads(a, 2, seed), 0, a.hasher.root(key))
+        hd = a.hasher.hash_blocks(tok, a.key(dst))
+        assert len(items[0][1]) != len(a.remote.block_values(a.key(dst), dst, hd, as_token_array(tok).reshape(
+            2, B), range(1), payloads(a, 1, seed), 0, a.hasher.root(a.key(dst)))[0][1])
+        assert write_raw([a.remote.block_key(dst, h) for h in hd], [bytes(v) for _, v in items])
+        before = a.metrics.to_dict()["dsv41_cache_remote_verify_failures_total"].get("role=blocks,kind=foreign", 0)
+        m = a.match(tok, namespace=dst)
+        assert m.num_blocks == 0
+        a.release(m)
+        vf = a.metrics.to_dict()["dsv41_cache_remote_verify_failures_total"]
+        assert vf["role=blocks,kind=foreign"] == before + 1, dst
+
+
 def test_values_of_another_size_read_in_place_are_classified(servers):
     """Mooncake reads values straight into a record-sized array: another namespace's values
     (a key 63 bytes longer or shorter, so records longer or shorter than this namespace's)
     under this namespace's keys are still read whole, classified as foreign, never served."""
     a = make_cache(servers)
     try:
-        tok = tokens(6, 2 * B)
         mc = a.remote.blocks.backend.client
-        for src, dst in (("x" * 64, "m"), ("m", "x" * 64)):
-            key = a.key(src)
-            hs = a.hasher.hash_blocks(tok, key)
-            items = a.remote.block_values(key, src, hs, as_token_array(tok).reshape(2, B), range(2),
-                                          payloads(a, 2, 6), 0, a.hasher.root(key))
-            hd = a.hasher.hash_blocks(tok, a.key(dst))
-            assert len(items[0][1]) != len(a.remote.block_values(a.key(dst), dst, hd, as_token_array(tok).reshape(
-                2, B), range(1), payloads(a, 1, 6), 0, a.hasher.root(a.key(dst)))[0][1])
-            assert mc.put_batch([a.remote.block_key(dst, h) for h in hd], [bytes(v) for _, v in items]) == 0
-            before = a.metrics.to_dict()["dsv41_cache_remote_verify_failures_total"].get("role=blocks,kind=foreign", 0)
-            m = a.match(tok, namespace=dst)
-            assert m.num_blocks == 0
-            a.release(m)
-            vf = a.metrics.to_dict()["dsv41_cache_remote_verify_failures_total"]
-            assert vf["role=blocks,kind=foreign"] == before + 1, dst
+        _foreign_sized_blocks_are_misses(a, tokens(6, 2 * B), 6, "x" * 64, "m",
+                                         lambda keys, values: mc.put_batch(keys, values) == 0)
     finally:
         a.close()
 
@@ -196,20 +204,8 @@ def test_redis_blocks_of_another_size_read_in_place_are_classified(servers):
     assert a.remote.wait_connected(20.0)
     raw = redis.Redis.from_url(servers.snapshots_url)
     try:
-        tok = tokens(7, 2 * B)
-        for src, dst in (("y" * 64, "r"), ("r", "y" * 64)):
-            key = a.key(src)
-            hs = a.hasher.hash_blocks(tok, key)
-            items = a.remote.block_values(key, src, hs, as_token_array(tok).reshape(2, B), range(2),
-                                          payloads(a, 2, 7), 0, a.hasher.root(key))
-            hd = a.hasher.hash_blocks(tok, a.key(dst))
-            raw.mset({a.remote.block_key(dst, h): bytes(v) for h, (_, v) in zip(hd, items)})
-            before = a.metrics.to_dict()["dsv41_cache_remote_verify_failures_total"].get("role=blocks,kind=foreign", 0)
-            m = a.match(tok, namespace=dst)
-            assert m.num_blocks == 0
-            a.release(m)
-            vf = a.metrics.to_dict()["dsv41_cache_remote_verify_failures_total"]
-            assert vf["role=blocks,kind=foreign"] == before + 1, dst
+        _foreign_sized_blocks_are_misses(a, tokens(7, 2 * B), 7, "y" * 64, "r",
+                                         lambda keys, values: raw.mset(dict(zip(keys, values))))
         tok2 = tokens(8, 3 * B)
         pay, _ = write(a, tok2, "own", seed=8)
         c = PrefixCache(CONFIG, cc, weights_id="redis-size-weights")
