@@ -194,7 +194,7 @@ class Guarded:
                 busy = False
                 self._busy += 1
                 primary = not self._primary_busy
-                self._primary_busy = self._primary_busy or primary
+                self._primary_busy = True  # by this call, or still by the one it overflows
         if busy:
             self.breaker.failure()
             m.errors.inc(backend=self.name, cause="busy")
