@@ -101,6 +101,10 @@ py::list run_ops(IoEngine& eng, const py::list& ops, bool write) {
   return out;
 }
 
+// The host CRC-32C paths by the names the bindings take.
+constexpr std::pair<const char*, CrcPath> kCrcPaths[] = {
+    {"sw", CrcPath::kSw}, {"hw", CrcPath::kHw}, {"fold256", CrcPath::kFold256}, {"fold512", CrcPath::kFold512}};
+
 // Encodes records into a staging buffer on the engine's threads (record::encode: one
 // pass per record, copy then CRC over bytes in cache). specs: [(offset in buf, head (256
 // bytes, CRC fields ignored), token ids (uint32 buffer), key (bytes), payload (buffer))].
@@ -536,34 +540,32 @@ void bind_io(py::module_& parent) {
           return dsv41::crc32c_sw(crc, v.ptr, v.size);
         },
         py::arg("data"), py::arg("crc") = 0);
-  m.def("crc32c_hw",
-        [](const py::buffer& b, uint32_t crc) {
-          if (!crc32c_hw_available()) throw std::runtime_error("no hardware CRC-32C on this CPU");
-          ByteView v = byte_view(b, false);
-          return dsv41::crc32c_hw(crc, v.ptr, v.size);
+  // Each host path by name, with or without the copy a verified read (copy) and a record
+  // encode (stream: non-temporal stores) make in the same pass; the tests compare them.
+  m.def("crc32c_path",
+        [](const std::string& path, const py::buffer& src, uint32_t crc, const py::object& dst, bool stream) {
+          const CrcPath* p = nullptr;
+          for (const auto& [name, v] : kCrcPaths)
+            if (path == name) p = &v;
+          if (!p) throw std::invalid_argument("path is sw, hw, fold256 or fold512");
+          if (!crc32c_path_available(*p))
+            throw std::runtime_error(std::string("this CPU has no ") + crc32c_path_name(*p) + " CRC-32C path");
+          ByteView v = byte_view(src, false);
+          ByteView d{};
+          if (!dst.is_none()) {
+            d = byte_view(dst.cast<py::buffer>(), true);
+            if (d.size < v.size) throw std::invalid_argument("dst is shorter than src");
+          }
+          py::gil_scoped_release nogil;
+          return dsv41::crc32c_path(*p, crc, d.ptr, v.ptr, v.size, stream);
         },
-        py::arg("data"), py::arg("crc") = 0);
-  m.def("crc32c_fold",
-        [](const py::buffer& b, uint32_t crc) {
-          if (!crc32c_fold_available()) throw std::runtime_error("no AVX-512 VPCLMULQDQ on this CPU");
-          ByteView v = byte_view(b, false);
-          return dsv41::crc32c_fold(crc, v.ptr, v.size);
-        },
-        py::arg("data"), py::arg("crc") = 0);
-  // crc32c of src while copying it to dst (the path a verified read and a record encode
-  // take), by path: "best" (what they use), "fold", "hw".
-  m.def("crc32c_copy",
-        [](const py::buffer& dst, const py::buffer& src, uint32_t crc, const std::string& path) {
-          ByteView d = byte_view(dst, true), v = byte_view(src, false);
-          if (d.size < v.size) throw std::invalid_argument("dst is shorter than src");
-          if (path == "fold" && !crc32c_fold_available()) throw std::runtime_error("no AVX-512 VPCLMULQDQ on this CPU");
-          if (path == "hw" && !crc32c_hw_available()) throw std::runtime_error("no hardware CRC-32C on this CPU");
-          if (path == "fold") return dsv41::crc32c_fold_copy(crc, d.ptr, v.ptr, v.size);
-          if (path == "hw") return dsv41::crc32c_hw_copy(crc, d.ptr, v.ptr, v.size);
-          if (path != "best") throw std::invalid_argument("path is best, fold or hw");
-          return dsv41::crc32c_copy(crc, d.ptr, v.ptr, v.size);
-        },
-        py::arg("dst"), py::arg("src"), py::arg("crc") = 0, py::arg("path") = "best");
+        py::arg("path"), py::arg("src"), py::arg("crc") = 0, py::arg("dst") = py::none(), py::arg("stream") = false);
+  m.def("crc32c_paths", []() {
+    py::list out;
+    for (const auto& [name, p] : kCrcPaths)
+      if (crc32c_path_available(p)) out.append(name);
+    return out;
+  }, "the names crc32c_path takes on this CPU");
   m.def("crc32c_chunked",
         [](const py::buffer& b, int chunks) {
           ByteView v = byte_view(b, false);

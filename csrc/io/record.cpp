@@ -25,13 +25,15 @@ int check(const uint8_t* rec, uint64_t avail, const Expect& e) {
       (e.hash_bytes && std::memcmp(h.block_hash, e.hash, e.hash_bytes) != 0))
     return kHeader;
   // The payload is copied to e.dst by the pass that checksums it (one pass over bytes the
-  // read just brought in, instead of a CRC pass and a copy pass).
+  // read just brought in, instead of a CRC pass and a copy pass), with non-temporal stores:
+  // a load fills a prefix's rows (megabytes, bound for the GPU pool or the model), and
+  // streaming them keeps the caches for the reads and checks still running.
   const bool copy = e.dst && !e.data_crc_known;
   const uint64_t po = h.payload_offset;
   uint32_t data_crc = e.data_crc;
   if (!e.data_crc_known) {
     data_crc = crc32c(0, rec + kHeaderBytes, po - kHeaderBytes);
-    data_crc = copy ? crc32c_copy(data_crc, e.dst, rec + po, h.payload_bytes)
+    data_crc = copy ? crc32c_copy_stream(data_crc, e.dst, rec + po, h.payload_bytes)
                     : crc32c(data_crc, rec + po, h.payload_bytes);
   }
   int status = kOk;
@@ -64,8 +66,9 @@ uint64_t encode(uint8_t* rec, uint64_t room, const uint8_t* head, const uint32_t
   std::memcpy(rec + kHeaderBytes + 4 * T, key, K);
   std::memset(rec + kHeaderBytes + 4 * T + K, 0, po - (kHeaderBytes + 4 * T + K));
   std::memset(rec + rb, 0, sp - rb);
-  // The payload is copied by the pass that checksums it.
-  h.data_crc = crc32c_copy(crc32c(0, rec + kHeaderBytes, po - kHeaderBytes), rec + po, payload, P);
+  // The payload is copied by the pass that checksums it, with non-temporal stores: the
+  // staging buffer goes to the disk, and the CPU does not read it again.
+  h.data_crc = crc32c_copy_stream(crc32c(0, rec + kHeaderBytes, po - kHeaderBytes), rec + po, payload, P);
   std::memcpy(rec, &h, sizeof(h));
   h.header_crc = crc32c(0, rec, 252);
   std::memcpy(rec + 252, &h.header_crc, 4);

@@ -74,10 +74,11 @@ bool check(const uint8_t* v, uint64_t n, const Value& e, uint8_t* dst) {
   want.data_crc = h.data_crc;
   want.header_crc = h.header_crc;
   if (std::memcmp(&want, &h, sizeof(h)) != 0 || crc32c(0, v, 252) != h.header_crc) return false;
-  // The data CRC: token ids and key, then the payload, copied to dst in the same pass.
+  // The data CRC: token ids and key, then the payload, copied to dst in the same pass
+  // (non-temporal stores, as a store read's: record.cpp).
   const uint8_t* body = v + record::kHeaderBytes;
   uint32_t crc = crc32c(0, body, e.payload_offset - record::kHeaderBytes);
-  crc = dst ? crc32c_copy(crc, dst, v + e.payload_offset, e.payload_bytes)
+  crc = dst ? crc32c_copy_stream(crc, dst, v + e.payload_offset, e.payload_bytes)
             : crc32c(crc, v + e.payload_offset, e.payload_bytes);
   return crc == h.data_crc && std::memcmp(body, e.tokens, 4ull * e.token_count) == 0 &&
          std::memcmp(body + 4ull * e.token_count, e.key, e.key_bytes) == 0;
@@ -91,7 +92,7 @@ void encode(uint8_t* dst, bool whole, const Value& e, const uint8_t* payload) {
   std::memcpy(body + token_bytes, e.key, e.key_bytes);
   std::memset(body + token_bytes + e.key_bytes, 0, e.payload_offset - record::kHeaderBytes - token_bytes - e.key_bytes);
   const uint32_t crc = crc32c(0, body, e.payload_offset - record::kHeaderBytes);
-  h.data_crc = whole ? crc32c_copy(crc, dst + e.payload_offset, payload, e.payload_bytes)
+  h.data_crc = whole ? crc32c_copy_stream(crc, dst + e.payload_offset, payload, e.payload_bytes)
                      : crc32c(crc, payload, e.payload_bytes);
   std::memcpy(dst, &h, sizeof(h));
   h.header_crc = crc32c(0, dst, 252);

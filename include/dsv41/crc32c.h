@@ -8,8 +8,8 @@
 // construction). The GPU computes a record's CRC as many chunk CRCs plus one combine pass;
 // the CPU tests run the same chunk-and-combine code against the plain CRC, so the device
 // path is checked by the host build. The fast host entry points (slice-by-8, the SSE4.2
-// instruction and VPCLMULQDQ folding, chosen at run time) are declared at the end and live
-// in csrc/io/crc32c.cpp.
+// instruction, and VPCLMULQDQ folding on AVX2 or AVX-512 registers, chosen at run time)
+// are declared at the end and live in csrc/io/crc32c.cpp.
 #pragma once
 
 #include <cstddef>
@@ -84,18 +84,26 @@ DSV41_CRC_HD uint32_t combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
 // (0 to start), so crc32c(crc32c(0, a, n), b, m) is the CRC of a||b.
 uint32_t crc32c(uint32_t crc, const void* data, size_t n);     // fastest available
 uint32_t crc32c_sw(uint32_t crc, const void* data, size_t n);  // slice-by-8, portable
-uint32_t crc32c_hw(uint32_t crc, const void* data, size_t n);  // needs crc32c_hw_available()
-bool crc32c_hw_available();
-// AVX-512 VPCLMULQDQ folding (inputs of 256 bytes and more; shorter ones, or a CPU
-// without it, take crc32c_hw).
-uint32_t crc32c_fold(uint32_t crc, const void* data, size_t n);
-bool crc32c_fold_available();
-// crc32c of src, copying its n bytes to dst in the same pass (dst must not overlap src):
-// the fastest path, and each path by name (the tests compare them).
+// crc32c of src, copying its n bytes to dst in the same pass (dst must not overlap src).
 uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n);
-uint32_t crc32c_fold_copy(uint32_t crc, void* dst, const void* src, size_t n);
-uint32_t crc32c_hw_copy(uint32_t crc, void* dst, const void* src, size_t n);
-const char* crc32c_backend();  // "avx512-vpclmulqdq", "sse4.2" or "slice-by-8"
+// The same with non-temporal stores where the path and dst's alignment allow them: for
+// bytes bound for a device (a write's staging buffer), which the CPU does not read again.
+uint32_t crc32c_copy_stream(uint32_t crc, void* dst, const void* src, size_t n);
+
+// Each host path by name (the tests compare them with slice-by-8). Folding paths take
+// inputs of 256 bytes and more; shorter ones go through the crc32 instruction.
+enum class CrcPath {
+  kSw,       // slice-by-8 tables, any CPU
+  kHw,       // SSE4.2 crc32 instruction, three interleaved streams
+  kFold256,  // VPCLMULQDQ folding on AVX2 registers (e.g. AMD Zen 3, Intel client cores)
+  kFold512,  // VPCLMULQDQ folding on AVX-512 registers
+};
+bool crc32c_path_available(CrcPath path);
+// crc of src by `path` (a path the CPU lacks falls back to kSw); dst != nullptr: also
+// copies src to dst, with non-temporal stores when `stream` (as crc32c_copy_stream).
+uint32_t crc32c_path(CrcPath path, uint32_t crc, void* dst, const void* src, size_t n, bool stream);
+const char* crc32c_path_name(CrcPath path);  // "slice-by-8", "sse4.2", "avx2-vpclmulqdq", "avx512-vpclmulqdq"
+const char* crc32c_backend();  // the name of the path crc32c() takes on this CPU
 const uint32_t* crc32c_byte_table();  // table_entry(0..255), for the chunked device code
 
 // The chunk-and-combine schedule the CUDA kernel uses, run on the host with the byte table:

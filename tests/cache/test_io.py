@@ -17,37 +17,48 @@ VECTORS = [(b"123456789", 0xE3069283), (bytes(32), 0x8A9136AA), (b"\xff" * 32, 0
            (bytes(range(32)), 0x46DD794E), (bytes(range(31, -1, -1)), 0x113FDB5C), (b"", 0)]
 
 
+PATHS = _C.io.crc32c_paths()  # the host CRC paths this CPU has: sw, hw, fold256, fold512
+
+
 @pytest.mark.parametrize("data, want", VECTORS)
 def test_crc32c_vectors(data, want):
     assert io.crc32c(data) == want and io.crc32c_sw(data) == want
-    if _C.io.crc32c_backend() in ("sse4.2", "avx512-vpclmulqdq"):
-        assert _C.io.crc32c_hw(data) == want
-    if _C.io.crc32c_backend() == "avx512-vpclmulqdq":
-        assert _C.io.crc32c_fold(data) == want
+    for path in PATHS:
+        assert _C.io.crc32c_path(path, data) == want, path
 
 
-FOLD = _C.io.crc32c_backend() == "avx512-vpclmulqdq"
+def test_crc32c_backend_is_the_widest_path_the_cpu_has():
+    names = {"sw": "slice-by-8", "hw": "sse4.2", "fold256": "avx2-vpclmulqdq", "fold512": "avx512-vpclmulqdq"}
+    assert _C.io.crc32c_backend() == names[PATHS[-1]] and PATHS[0] == "sw"
+    missing = [p for p in names if p not in PATHS]
+    for path in missing:
+        with pytest.raises(RuntimeError, match="no"):
+            _C.io.crc32c_path(path, b"x")
 
 
-@pytest.mark.skipif(not FOLD, reason="the CPU has no AVX-512 VPCLMULQDQ")
-def test_crc32c_folding_and_fused_copies_agree_with_slice_by_8_everywhere():
-    """The folding path (256 bytes and more) and the copy-while-checksumming paths a
-    verified read and a record encode take, at every length around their block sizes
-    (16, 64, 256 bytes) and at odd alignments, continuing from a nonzero CRC."""
+@pytest.mark.skipif(len(PATHS) < 2, reason="no hardware CRC-32C on this CPU")
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_crc32c_paths_and_fused_copies_agree_with_slice_by_8_everywhere(path):
+    """Each hardware path (folding takes 256 bytes and more), alone and with the copy a
+    verified read (plain stores) and a record encode (non-temporal stores where dst is
+    aligned) make in the same pass, at every length around their block sizes (16, 32, 64,
+    256 bytes), at odd alignments of source and destination, from a nonzero CRC."""
     rng = np.random.default_rng(1)
     data = rng.integers(0, 256, 200_000, dtype=np.uint8)
-    lengths = list(range(0, 1100)) + [4095, 4096, 4097, 56_960, 61_440, 131_071, 199_000]
+    lengths = list(range(0, 1100)) + [4095, 4096, 4097, 3 * 4096 * 2 + 13, 56_960, 61_440, 131_071, 199_000]
+    _, out = io.staging(200_128)  # page-aligned: at offsets 32 and 64 stores can be streamed
     for start in (0, 1, 5, 8, 63):
         for n in lengths:
             piece = data[start:start + n]
             seed = 0 if n % 2 else 0x9E3779B9
             ref = io.crc32c_sw(piece, seed)
-            assert _C.io.crc32c_fold(piece, seed) == ref and io.crc32c(piece, seed) == ref, (start, n)
+            assert _C.io.crc32c_path(path, piece, seed) == ref, (start, n)
             if n % 7 == 0 or n > 1000:
-                for path in ("best", "fold", "hw"):
-                    dst = np.zeros(n + 16, np.uint8)
-                    assert _C.io.crc32c_copy(dst[3:3 + n], piece, seed, path) == ref, (start, n, path)
-                    assert np.array_equal(dst[3:3 + n], piece) and not dst[:3].any() and not dst[3 + n:].any()
+                for at, stream in ((3, False), (64, False), (64, True), (32, True), (5, True)):
+                    out[:] = 0
+                    got = _C.io.crc32c_path(path, piece, seed, out[at:at + n], stream)
+                    assert got == ref, (start, n, at, stream)
+                    assert np.array_equal(out[at:at + n], piece) and not out[:at].any() and not out[at + n:].any()
 
 
 def test_crc32c_paths_agree_on_odd_lengths_and_alignments():
@@ -168,7 +179,7 @@ def test_copies_and_buffers():
 
 def test_io_info_reports_the_active_path():
     info = io.io_info()
-    assert info["backend"] in ("posix", "gds") and info["crc32c"] in ("avx512-vpclmulqdq", "sse4.2", "slice-by-8")
+    assert info["backend"] in ("posix", "gds") and info["crc32c"] in ("avx512-vpclmulqdq", "avx2-vpclmulqdq", "sse4.2", "slice-by-8")
     if not torch.cuda.is_available():
         assert info["backend"] == "posix" and not info["gds_available"] and info["gds_detail"]
 
