@@ -43,8 +43,16 @@ def test_walk_follows_the_oldest_candidate_and_skips_excluded_ones():
     for r in rows:
         r.key_id = kid
     ix.add_many(rows)
-    assert ix.walk(b"key", [b"a", b"b", b"c"], 0, None, None) == ([1, 2], [])
-    assert ix.walk(b"key", [b"a", b"b", b"c"], 0, {2}, None) == ([1, 3, 4], [])
+    def ids(walked):
+        chain, expired = walked
+        return [r.rid for r in chain], expired
+
+    assert ids(ix.walk(b"key", [b"a", b"b", b"c"], 0, None, None)) == ([1, 2], [])
+    assert ids(ix.walk(b"key", [b"a", b"b", b"c"], 0, {2}, None)) == ([1, 3, 4], [])
+    assert ids(ix.walk(b"key", [b"a", b"x"], 0, None, None)) == ([1], [])  # no record under (1, x)
+    assert ids(ix.walk(b"other key", [b"a"], 0, None, None)) == ([], [])
+    rows[0].atime_ns = 5
+    assert ids(ix.walk(b"key", [b"a", b"b"], 0, None, 10)) == ([], [1])  # last used before the TTL bound
 
 
 def test_an_index_adds_one_tracked_object_per_record():

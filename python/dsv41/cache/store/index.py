@@ -195,17 +195,20 @@ class RecordIndex:
         return orphans
 
     def walk(self, key: bytes, hashes: list[bytes], parent: int, exclude: set[int] | None,
-             oldest_ns: float | None) -> tuple[list[int], list[int]]:
-        """(ids of the longest chain matching `hashes` below `parent`, ids passed over
-        because their last use is before oldest_ns)."""
+             oldest_ns: float | None) -> tuple[list[StoredRecord], list[int]]:
+        """(records of the longest chain matching `hashes` below `parent`, ids passed over
+        because their last use is before oldest_ns). One dict lookup per block on the usual
+        path (one candidate, an int): a 64K-token prefix walks a thousand blocks."""
         out, expired = [], []
         kid = self.key_ids.get(key)
         if kid is None and parent == 0:
             return out, expired
+        recs, children = self.recs, self.children.get
         for h in hashes:
             found = None
-            for rid in self.candidates(parent, h):
-                r = self.recs[rid]
+            v = children((parent, h))
+            for rid in ((v,) if type(v) is int else v or ()):
+                r = recs[rid]
                 if (exclude and rid in exclude) or (parent == 0 and r.key_id != kid):
                     continue
                 if oldest_ns is not None and r.atime_ns < oldest_ns:
@@ -215,6 +218,6 @@ class RecordIndex:
                 break
             if found is None:
                 break
-            out.append(found.rid)
+            out.append(found)
             parent = found.rid
         return out, expired

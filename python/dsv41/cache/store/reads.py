@@ -5,7 +5,7 @@ the I/O worker that read it (C++, dsv41/record.h), and its payload copied out by
 that checksums it. Device path (read_into): cuFile reads into device memory, CRCs computed
 there, heads checked on the host by the same C++ check. Both check the link to the parent
 there too (_parent_hash), and both group records back to back in one segment into one I/O
-(group_records). A failed record is removed (settle).
+(_plan). A failed record is removed (settle).
 """
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ from .index import SegmentFile
 if TYPE_CHECKING:
     from .store import PersistentStore
 
-__all__ = ["load", "read", "read_checked", "read_into", "settle",
-           "group_records"]
+__all__ = ["load", "read", "read_checked", "read_into", "settle"]
 
 log = logging.getLogger("dsv41.cache.store")
 
@@ -36,30 +35,6 @@ READ_BATCH = 64 << 20  # payload bytes one load() reads per call
 # op run while the others are still being read.
 GROUP_BYTES = 1 << 20
 RECORD_STATUS = _io.RECORD_STATUS  # "ok", "truncated", "header", "checksum", "collision", "chain"
-
-
-def group_records(recs: list, status: list[str], usable: Callable[[SegmentFile], bool] = lambda seg: True) -> list[list]:
-    """Groups records for reading: records back to back in one segment (a chain written
-    by one commit) share one I/O of up to GROUP_BYTES. Records are packed at 64 bytes, so
-    an I/O is the 4 KiB-aligned range that covers its records (O_DIRECT: offset and
-    length page-aligned); GROUP_BYTES counts those aligned bytes. Returns [segment, file
-    offset, size, [record index, ...], end of its last record] per I/O; a None record, or
-    one whose segment is not usable, gets status "missing" instead."""
-    groups: list[list] = []
-    for i, r in enumerate(recs):
-        if r is None or not usable(r.seg):
-            status[i] = "missing"
-            continue
-        g = groups[-1] if groups else None
-        end = r.offset + r.span
-        if g is not None and g[0] is r.seg and g[4] == r.offset and _io.align_up(end) - g[1] <= GROUP_BYTES:
-            g[2] = _io.align_up(end) - g[1]
-            g[3].append(i)
-            g[4] = end
-        else:
-            lo = r.offset // sf.PAGE * sf.PAGE
-            groups.append([r.seg, lo, _io.align_up(end) - lo, [i], end])
-    return groups
 
 
 def _parent_hash(get: Callable, r) -> bytes | None:
@@ -75,6 +50,53 @@ def _parent_hash(get: Callable, r) -> bytes | None:
     return None if p is None else p.hash
 
 
+def _plan(store: PersistentStore, recs: list, status: list[str], links: bool) -> tuple[list[list], dict]:
+    """group_records and each record's spec for read_records in one pass (a 64K-token
+    prefix is a thousand records, and this Python runs before its first read): returns
+    [segment, file offset, size, [record index, ...], end of its last record, [spec,
+    ...]] per I/O, and the segments' fds. Called under store._lock. The parent link of a
+    record that follows its parent in `recs` (a chain) is checked against that record's
+    hash, which the same read verifies; otherwise against the index's (_parent_hash)."""
+    fds: dict[bytes, int | None] = {}
+    groups: list[list] = []
+    get, g, prev, page = store._ix.recs.get, None, None, sf.PAGE
+    for i, r in enumerate(recs):
+        if r is None:
+            status[i] = "missing"
+            prev = None
+            continue
+        seg = r.seg
+        fd = fds.get(seg.uuid, -1)
+        if fd == -1:
+            try:
+                fd = fds[seg.uuid] = store._seg_fd(seg)
+            except (FileNotFoundError, OSError):  # gone, or a link/FIFO in its place
+                fd = fds[seg.uuid] = None
+        if fd is None:
+            status[i] = "missing"
+            prev = None
+            continue
+        off, span, parent = r.offset, r.span, r.parent
+        end = off + span
+        if g is not None and g[0] is seg and g[4] == off and -(-end // page) * page - g[1] <= GROUP_BYTES:
+            g[2] = -(-end // page) * page - g[1]
+            g[3].append(i)
+            g[4] = end
+        else:
+            lo = off // page * page
+            g = [seg, lo, -(-end // page) * page - lo, [i], end, []]
+            groups.append(g)
+        if not links or not parent:
+            ph = b""
+        elif prev is not None and prev.rid == parent:
+            ph = prev.hash
+        else:
+            ph = _parent_hash(get, r)
+        g[5].append((off - g[1], span, r.rid, parent, r.block_index, r.hash, i, ph))
+        prev = r
+    return groups, fds
+
+
 def read_checked(store: PersistentStore, recs: list, tokens: np.ndarray | None, key: bytes | None,
                   out: np.ndarray | None, links: bool = False) -> tuple[list[str], tuple, dict[int, int]]:
     """Reads records (None entries are "missing") and checks each one in the I/O worker
@@ -84,30 +106,16 @@ def read_checked(store: PersistentStore, recs: list, tokens: np.ndarray | None, 
     Returns (statuses, the staging buffer item, record index -> its offset in the staging
     buffer). The caller must _put_staging(item)."""
     status = ["ok"] * len(recs)
-    fds: dict[bytes, int | None] = {}
     with store._lock:
-        for r in recs:
-            if r is not None and r.seg.uuid not in fds:
-                try:
-                    fds[r.seg.uuid] = store._seg_fd(r.seg)
-                except (FileNotFoundError, OSError):  # gone, or a link/FIFO in its place
-                    fds[r.seg.uuid] = None
-        groups = group_records(recs, status, lambda seg: fds[seg.uuid] is not None)
+        groups, fds = _plan(store, recs, status, links)
     item = store._get_staging(sum(g[2] for g in groups))
     buf = item[0]
-    with store._lock:
-        get = store._ix.recs.get
-        ops, where, pos = [], {}, 0
-        for g in groups:
-            base = g[1]
-            specs = []
-            for i in g[3]:
-                r = recs[i]
-                where[i] = pos + r.offset - base
-                ph = _parent_hash(get, r) if links else b""
-                specs.append((r.offset - base, r.span, r.rid, r.parent, r.block_index, r.hash, i, ph))
-            ops.append((fds[g[0].uuid], base, g[2], buf, pos, specs))
-            pos += g[2]
+    ops, where, pos = [], {}, 0
+    for seg, base, size, members, _, specs in groups:
+        ops.append((fds[seg.uuid], base, size, buf, pos, specs))
+        for i, spec in zip(members, specs):
+            where[i] = pos + spec[0]
+        pos += size
     try:
         results = store._eng._eng.read_records(ops, tokens, key, None if out is None else out.reshape(-1),
                                               store.identity.block_bytes)
@@ -210,16 +218,16 @@ def read_into(store: PersistentStore, rids: list[int], tokens: np.ndarray | None
     status = ["ok"] * len(rids)
     with store._lock:
         recs = [store._ix.recs.get(rid) for rid in rids]
-    groups = group_records(recs, status)
+        groups, _ = _plan(store, recs, status, links=True)
     staging = torch.empty(max(1, sum(g[2] for g in groups)), dtype=torch.uint8, device=dst.device)
-    where, got, pos = {}, {}, 0
-    for seg, file_off, size, members, _ in groups:
+    where, got, link, pos = {}, {}, {}, 0
+    for seg, file_off, size, members, _, specs in groups:
         done, err = device_read(store, seg, staging, size, file_off, pos)
-        for i in members:
-            rel_end = recs[i].offset - file_off + recs[i].span
-            where[i] = pos + recs[i].offset - file_off
-            got[i] = recs[i].span if done >= rel_end else max(0, done - (rel_end - recs[i].span))
-            if done < rel_end and err:
+        for i, (rel, span, *_, ph) in zip(members, specs):
+            where[i] = pos + rel
+            got[i] = span if done >= rel + span else max(0, done - rel)
+            link[i] = ph
+            if done < rel + span and err:
                 status[i] = "missing" if err in (errno.ENOENT, errno.EBADF) else "io"
         pos += size
     live = [i for i in range(len(rids)) if status[i] == "ok"]
@@ -241,10 +249,8 @@ def read_into(store: PersistentStore, rids: list[int], tokens: np.ndarray | None
         end = min(int(hdr["record_bytes"][k]), got[i])
         ranges.append((where[i] + sf.REC_HEADER_BYTES, max(0, end - sf.REC_HEADER_BYTES)))
     crcs = device_crc(store, staging, ranges)
-    with store._lock:
-        get = store._ix.recs.get
-        specs = [(k * head_bytes, recs[i].span, recs[i].rid, recs[i].parent, recs[i].block_index, recs[i].hash,
-                  i, crcs[k], got[i], _parent_hash(get, recs[i])) for k, i in enumerate(live)]
+    specs = [(k * head_bytes, recs[i].span, recs[i].rid, recs[i].parent, recs[i].block_index, recs[i].hash,
+              i, crcs[k], got[i], link[i]) for k, i in enumerate(live)]
     codes = _io._io.check_heads(heads.reshape(-1), specs, tokens, key, P, head_bytes)
     for i, code in zip(live, codes):
         status[i] = RECORD_STATUS[code]

@@ -329,7 +329,7 @@ class PersistentStore:
         if expired and self.writable:
             for rid in expired:
                 self._delete(rid, "ttl")
-        return out
+        return [r.rid for r in out]
 
     def _get_staging(self, size: int) -> tuple[_io.AlignedBuffer, np.ndarray]:
         with self._lock:
