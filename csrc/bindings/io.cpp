@@ -480,6 +480,18 @@ void bind_io(py::module_& parent) {
            "waits for the writes up to last_ticket; unless one of first..last failed: fdatasync (durable), "
            "rename(tmp, dst), fsync(dir) (durable) -> (errno, step reached: 0 writes, 1 fsync, 2 rename, "
            "3 dir fsync, 4 done)")
+      .def("seal_files",
+           [](IoEngine& e, const std::vector<std::tuple<int, uint64_t, uint64_t, std::string, std::string>>& files,
+              bool durable, const std::string& dir) {
+             std::vector<IoEngine::SealItem> items;
+             for (const auto& [fd, first, last, tmp, dst] : files) items.push_back({fd, first, last, tmp, dst});
+             py::gil_scoped_release nogil;
+             return e.seal_files(items, durable, dir);
+           },
+           py::arg("files"), py::arg("durable"), py::arg("dir"),
+           "seal_file of several files [(fd, first_ticket, last_ticket, tmp, dst)] as one group: every write "
+           "waited for, then in order fdatasync (durable) and rename up to the first failure, one fsync(dir) "
+           "-> (errno, step of the failure or 4, files renamed)")
       .def("read_records", &read_records, py::arg("ops"), py::arg("tokens"), py::arg("key"), py::arg("dst"),
            py::arg("payload_bytes"),
            "verified record reads: each worker checks (and copies out) the records of the op it read")

@@ -237,30 +237,59 @@ bool IoEngine::poll_write(uint64_t ticket, std::pair<uint64_t, int>* result) {
   return true;
 }
 
+std::tuple<int, int, size_t> IoEngine::seal_files(const std::vector<SealItem>& files, bool durable,
+                                                  const std::string& dir) {
+  size_t n = 0;  // files whose writes succeeded (then: that are durable)
+  int err = 0, step = kSealDone;
+  {
+    uint64_t last = 0;
+    for (const auto& f : files) last = std::max(last, f.last_ticket);
+    std::unique_lock<std::mutex> lock(wmu_);
+    wdone_cv_.wait(lock, [&] { return wpending_.empty() || *wpending_.begin() > last; });
+    for (; n < files.size(); ++n) {
+      const auto failed = wfailed_.lower_bound(files[n].first_ticket);
+      if (failed != wfailed_.end() && failed->first <= files[n].last_ticket) {
+        err = failed->second;
+        step = kSealWrites;
+        break;
+      }
+    }
+    wfailed_.erase(wfailed_.begin(), wfailed_.upper_bound(last));
+  }
+  if (durable) {
+    for (size_t i = 0; i < n; ++i) {
+      const int r = fsync(files[i].fd);
+      if (r < 0) {
+        err = -r;
+        step = kSealSync;
+        n = i;
+        break;
+      }
+    }
+  }
+  size_t renamed = 0;
+  for (; renamed < n; ++renamed) {
+    if (::rename(files[renamed].tmp.c_str(), files[renamed].dst.c_str()) != 0) {
+      err = errno;
+      step = kSealRename;
+      break;
+    }
+  }
+  if (durable && renamed) {
+    const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int r = d < 0 ? -1 : ::fsync(d);
+    const int e = errno;
+    if (d >= 0) ::close(d);
+    if (r != 0) return {e, kSealDirSync, renamed};
+  }
+  return {err, step, renamed};
+}
+
 std::pair<int, int> IoEngine::seal_file(int fd, uint64_t first_ticket, uint64_t last_ticket, bool durable,
                                         const std::string& tmp, const std::string& dst, const std::string& dir) {
-  {
-    std::unique_lock<std::mutex> lock(wmu_);
-    wdone_cv_.wait(lock, [&] { return wpending_.empty() || *wpending_.begin() > last_ticket; });
-    const auto failed = wfailed_.lower_bound(first_ticket);
-    const int err = (failed != wfailed_.end() && failed->first <= last_ticket) ? failed->second : 0;
-    wfailed_.erase(wfailed_.begin(), wfailed_.upper_bound(last_ticket));
-    if (err) return {err, kSealWrites};
-  }
-  if (durable) {
-    const int r = fsync(fd);
-    if (r < 0) return {-r, kSealSync};
-  }
-  if (::rename(tmp.c_str(), dst.c_str()) != 0) return {errno, kSealRename};
-  if (durable) {
-    const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (d < 0) return {errno, kSealDirSync};
-    const int r = ::fsync(d);
-    const int e = errno;
-    ::close(d);
-    if (r != 0) return {e, kSealDirSync};
-  }
-  return {0, kSealDone};
+  const auto [err, step, renamed] = seal_files({{fd, first_ticket, last_ticket, tmp, dst}}, durable, dir);
+  (void)renamed;
+  return {err, step};
 }
 
 int IoEngine::open(const std::string& path, int flags, int mode, bool direct, bool* is_direct) {

@@ -1,7 +1,8 @@
 """The I/O engine's background writes (submit_write / wait_write) and seal_file, the one
 call that makes a segment durable and visible: a failed write stops it before the rename,
-and failures are not carried over to the next file. Large staging buffers start on a
-huge-page boundary."""
+and failures are not carried over to the next file; seal_files, a commit's segments as one
+group: every flush after every write, files published in order up to the first failure.
+Large staging buffers start on a huge-page boundary."""
 from __future__ import annotations
 
 import errno
@@ -91,6 +92,45 @@ def test_a_failed_rename_is_reported_with_its_step(tmp_path, eng):
     os.close(f.fd)
     assert (err, step) == (errno.ENOENT, cio.SEAL_RENAME)
     assert (tmp_path / ".tmp-d").exists()
+
+
+def test_seal_files_publishes_a_group_in_order_up_to_the_first_failure(tmp_path, eng):
+    groups = [_chunks(3, seed=10 + i) for i in range(3)]
+    files = []
+    for i, chunks in enumerate(groups):
+        f, tickets = _write_file(eng, tmp_path / f".tmp-g{i}", chunks)
+        files.append((f.fd, tickets[0], tickets[-1], str(tmp_path / f".tmp-g{i}"), str(tmp_path / f"g{i}")))
+    assert eng.seal_files(files, True, str(tmp_path)) == (0, cio.SEAL_DONE, 3)
+    for i, chunks in enumerate(groups):
+        os.close(files[i][0])
+        assert (tmp_path / f"g{i}").read_bytes() == b"".join(v.tobytes() for _, v in chunks)
+        assert not (tmp_path / f".tmp-g{i}").exists()
+
+    # The second file cannot be flushed (its fd is closed once its writes are done): the
+    # first is published, the second and third are not (a group stops at its first failure).
+    files = []
+    for i, chunks in enumerate(_chunks(2, seed=20 + i) for i in range(3)):
+        f, tickets = _write_file(eng, tmp_path / f".tmp-h{i}", chunks)
+        files.append((f.fd, tickets[0], tickets[-1], str(tmp_path / f".tmp-h{i}"), str(tmp_path / f"h{i}")))
+    for t in range(files[1][1], files[1][2] + 1):
+        eng.wait_write(t, CH, "h1")
+    os.close(files[1][0])
+    assert eng.seal_files(files, True, str(tmp_path)) == (errno.EBADF, cio.SEAL_SYNC, 1)
+    os.close(files[0][0])
+    os.close(files[2][0])
+    assert (tmp_path / "h0").exists() and not (tmp_path / ".tmp-h0").exists()
+    assert (tmp_path / ".tmp-h1").exists() and (tmp_path / ".tmp-h2").exists()
+    assert not (tmp_path / "h1").exists() and not (tmp_path / "h2").exists()
+
+    # A failed write: that file and the ones after it stay unpublished.
+    eng.set_faults(cio.FAULT_NO_SPACE, nospace_after=0)
+    f, tickets = _write_file(eng, tmp_path / ".tmp-i", _chunks(1, seed=30))
+    assert eng.seal_files([(f.fd, tickets[0], tickets[-1], str(tmp_path / ".tmp-i"), str(tmp_path / "i"))], True,
+                          str(tmp_path)) == (errno.ENOSPC, cio.SEAL_WRITES, 0)
+    os.close(f.fd)
+    eng.set_faults(0)
+    assert not (tmp_path / "i").exists()
+    assert eng.seal_files([], True, str(tmp_path)) == (0, cio.SEAL_DONE, 0)
 
 
 def test_large_staging_starts_on_a_huge_page_boundary():

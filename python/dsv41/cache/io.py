@@ -122,6 +122,16 @@ class IOEngine:
         SEAL_RENAME, SEAL_DIR_SYNC); dst exists once step > SEAL_RENAME."""
         return self._eng.seal_file(fd, first_ticket, last_ticket, durable, tmp, dst, directory)
 
+    def seal_files(self, files: list[tuple[int, int, int, str, str]], durable: bool,
+                   directory: str) -> tuple[int, int, int]:
+        """seal_file of several files [(fd, first_ticket, last_ticket, tmp, dst)] as one
+        group (a commit's segments): waits for every write, then, in order up to the first
+        failure, fdatasync (durable) and rename; one fsync of the directory. Every flush
+        comes after every file's writes (include/dsv41/io.h says why). Returns (errno,
+        step, renamed): (0, SEAL_DONE, len(files)) when all succeeded, else the step of
+        the first failure; files[:renamed] exist under their dst names."""
+        return self._eng.seal_files(files, durable, directory)
+
     def encode_records(self, buf, specs: list) -> None:
         """Writes records into buf on the engine's threads: specs [(offset, head, token ids,
         key, payload)], head from store.format.pack_record_header(sealed=False); each

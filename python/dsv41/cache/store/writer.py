@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsv41.cache.store")
 
-__all__ = ["write_segment", "start_segment", "seal_segment", "commit_pending", "CommitTicket", "SerialWorker",
-           "ParentLost"]
+__all__ = ["write_segment", "start_segment", "seal_segment", "seal_segments", "commit_pending", "CommitTicket",
+           "SerialWorker", "ParentLost"]
 
 # The writer threads issue the chunk writes in order while the caller encodes the next
 # chunks. Chunks are 4 MiB slices of one huge-page-backed staging pool, so each goes to
@@ -291,46 +291,77 @@ def start_segment(store: PersistentStore, records: list, supersedes: list[bytes]
 def seal_segment(store: PersistentStore, u: Unsealed) -> int:
     """Waits for an Unsealed segment's writes, makes it durable (durability "fsync"),
     renames it into place, fsyncs the directory and indexes its records. Returns the file
-    size. On failure nothing is left behind and OSError (or ParentLost) is raised.
+    size. On failure nothing is left behind and OSError (or ParentLost) is raised."""
+    _, errors = seal_segments(store, [u])
+    if errors:
+        raise errors[0]
+    return u.file_bytes
 
-    The waits, fdatasync, rename and directory fsync are one engine call (seal_file):
-    this runs on the sealer thread while the committing thread runs Python, and every
-    time a thread gives up the GIL, getting it back can take a switch interval (5 ms);
-    one call per segment rather than one per step kept the disk from idling between
-    segments (bench/bench_cache.py store writes)."""
-    published = False
-    try:
-        if u.outside_parents:
-            with store._lock:
-                lost = [p for p in u.outside_parents if p not in store._ix.recs]
+
+def seal_segments(store: PersistentStore, us: list[Unsealed]) -> tuple[list[Unsealed], list[Exception]]:
+    """Seals segments written in this order (one commit's) as one group: waits for all
+    their writes, then fdatasync, rename and index each, parents' segments first, and one
+    fsync of the directory (IOEngine.seal_files: one engine call, so this thread gives up
+    the GIL once; every time it does, getting it back can take a switch interval). Every
+    flush comes after the last segment's writes: on the development VM's disk a flush
+    stalls the writes queued behind it, and a segment flushed while the next one was being
+    written held that one back for the whole flush (bench/bench_cache.py, 64K-token
+    commits of two segments). A segment whose parent records outside it are gone
+    (ParentLost) is skipped, with any later one that needs its records; an I/O error stops
+    the group there. Returns (the segments published, in order; what kept the others
+    out: ParentLost per skipped segment, then the OSError that stopped the group): the
+    others are deleted, nothing of them is left behind."""
+    kept: list[Unsealed] = []
+    errors: list[Exception] = []
+    with store._lock:
+        stored, kept_rids = store._ix.recs, set()
+        for u in us:
+            lost = [p for p in u.outside_parents if p not in stored and p not in kept_rids]
             if lost:
-                raise ParentLost(f"parent record {lost[0]} is no longer stored")
-        store._hook("seal")
-        err, step = store._eng.seal_file(u.f.fd, u.first_ticket, u.last_ticket, store.durability == "fsync",
-                                         str(u.tmp), str(store.path / u.name), str(store.path))
-        published = step > _io.SEAL_RENAME
-        if err:
-            raise OSError(err, os.strerror(err), str(store.path if published else u.tmp))
-        while u.unreaped:  # done already: hands their staging buffers back
-            _reap_one(store)
-        os.close(u.f.fd)
-        u.f.fd = -1
-        store._hook("published")
+                errors.append(ParentLost(f"parent record {lost[0]} is no longer stored"))
+                continue
+            kept.append(u)
+            kept_rids |= u.rids
+    for u in us:
+        if u not in kept:
+            u.abandon(store)
+    try:
+        for _ in kept:
+            store._hook("seal")
+        err, step, renamed = store._eng.seal_files(
+            [(u.f.fd, u.first_ticket, u.last_ticket, str(u.tmp), str(store.path / u.name)) for u in kept],
+            store.durability == "fsync", str(store.path))
     except BaseException:
-        if published:
-            if u.f.fd >= 0:
-                os.close(u.f.fd)
-                u.f.fd = -1
-        else:
+        for u in kept:
             u.abandon(store)
         raise
-    seg = u.seg
-    seg.file_bytes = u.file_bytes
-    with store._lock:
-        store._segs[seg.uuid] = seg
-        if not u.raw:
-            store._ix.add_many(u.new_recs)  # fresh record ids: none is indexed yet
+    for u in kept:
+        while u.unreaped:  # done already: hands their staging buffers back
+            _reap_one(store)
+    for i, u in enumerate(kept):
+        if i < renamed:  # under its final name: only its fd to close
+            os.close(u.f.fd)
+            u.f.fd = -1
         else:
+            u.abandon(store)
+    published = kept[:renamed]
+    if err:
+        if step > _io.SEAL_RENAME:
+            # Renamed, but the directory's fsync failed: not durable, so not indexed (a
+            # restart's recovery finds them); reported like the rest.
+            return [], errors + [OSError(err, os.strerror(err), str(store.path))]
+        # The segments before the one that failed are durable and published.
+        errors.append(OSError(err, os.strerror(err), str(kept[renamed].tmp)))
+    for _ in published:
+        store._hook("published")
+    with store._lock:
+        for u in published:
+            seg = u.seg
+            seg.file_bytes = u.file_bytes
+            store._segs[seg.uuid] = seg
+            if not u.raw:
+                store._ix.add_many(u.new_recs)  # fresh record ids: none is indexed yet
+                continue
             for r in u.new_recs:
                 old = store._ix.recs.get(r.rid)
                 if old is None:
@@ -338,7 +369,7 @@ def seal_segment(store: PersistentStore, u: Unsealed) -> int:
                 store._ix.remove(old)
                 r.atime_ns = old.atime_ns
                 store._ix.add(r)
-    return u.file_bytes
+    return published, errors
 
 
 def _stored_records(store: PersistentStore, lay: _Layout, seg: SegmentFile, hashes: list[bytes]) -> list[StoredRecord]:
@@ -430,9 +461,10 @@ class CommitTicket:
 def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> CommitTicket:
     """Starts writing records taken from the queue (PersistentStore.commit_async holds the
     write lock): segments of at most segment_bytes, parents before children. Each segment's
-    chunks are encoded and queued here; the store's sealer thread then makes it durable and
-    visible, segment after segment in commit order, while the caller goes on (the next
-    commit's encoding overlaps this one's last writes, fsync and rename). An I/O error
+    chunks are encoded and queued here; once the last one's are, the store's sealer thread
+    makes the commit's segments durable and visible as one group (seal_segments), in
+    commit order, while the caller goes on (the next commit's encoding overlaps this one's
+    last writes, fsync and rename). An I/O error
     degrades the tier: the rest is dropped, nothing is raised."""
     from .store import CommitResult
     res = CommitResult()
@@ -444,6 +476,7 @@ def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> Comm
         store.metrics.persist_failures.inc(cause="degraded")
         pending = []
     groups = _segment_groups(store, pending)
+    started: list[Unsealed] = []
     for gi, g in enumerate(groups):
         # A record whose parent is gone (dropped, or deleted since put) cannot be
         # stored: the store holds whole prefixes only. Parents come before children; a
@@ -466,7 +499,9 @@ def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> Comm
             break
         with store._lock:
             store._unsealed_rids |= u.rids
-        ticket._jobs.append(store._sealer.submit(_seal_into, store, u, res))
+        started.append(u)
+    if started:
+        ticket._jobs.append(store._sealer.submit(_seal_commit, store, started, res))
     # Last in the sealer's queue: after every earlier commit's segments too, so a ticket
     # that is done means everything committed before it is done as well.
     ticket._jobs.append(store._sealer.submit(_commit_finished, store, ticket, t0))
@@ -510,23 +545,27 @@ def _with_live_parents(store: PersistentStore, group: list) -> list:
     return alive
 
 
-def _seal_into(store: PersistentStore, u: Unsealed, res: CommitResult) -> None:
-    """The sealer thread's step for one segment of a commit."""
-    rids = [r.rid for r in u.new_recs]
+def _seal_commit(store: PersistentStore, us: list[Unsealed], res: CommitResult) -> None:
+    """The sealer thread's step for a commit's segments (seal_segments: one group)."""
     try:
-        res.bytes_written += seal_segment(store, u)
-        res.persisted += rids
-    except ParentLost as e:
-        res.dropped += rids
-        log.warning("persistent store %s: a segment of %d records was not published: %s", store.path,
-                    len(rids), e)
-    except OSError as e:
-        res.dropped += rids
-        store._degrade(e)
-        res.error = store.degraded_reason
+        published, errors = seal_segments(store, us)
+        for u in us:
+            rids = [r.rid for r in u.new_recs]
+            if u in published:
+                res.bytes_written += u.file_bytes
+                res.persisted += rids
+            else:
+                res.dropped += rids
+        for e in errors:
+            if isinstance(e, ParentLost):
+                log.warning("persistent store %s: a segment was not published: %s", store.path, e)
+            else:
+                store._degrade(e)
+                res.error = store.degraded_reason
     finally:
         with store._lock:
-            store._unsealed_rids -= u.rids
+            for u in us:
+                store._unsealed_rids -= u.rids
 
 
 def _commit_finished(store: PersistentStore, ticket: CommitTicket, t0: float) -> None:
