@@ -77,6 +77,30 @@ def test_crc32c_paths_agree_on_odd_lengths_and_alignments():
         assert io.crc32c(piece[k:], a) == ref and io.crc32c_combine(a, b, n - k) == ref
 
 
+def test_crc32c_lead_rows_writes_each_rows_crc_of_its_rest_and_refuses_partial_rows():
+    rng = np.random.default_rng(1)
+    for row_bytes in (5, 32, 61):
+        rows = rng.integers(0, 256, (9, row_bytes), dtype=np.uint8)
+        rest = rows[:, 4:].copy()
+        io.crc32c_lead_rows(rows, row_bytes)
+        for r in range(9):
+            assert int.from_bytes(rows[r, :4].tobytes(), "little") == io.crc32c_sw(rest[r])
+        assert np.array_equal(rows[:, 4:], rest)  # the rest is untouched
+    with pytest.raises(ValueError, match="whole rows"):
+        io.crc32c_lead_rows(np.zeros(33, np.uint8), 32)
+    with pytest.raises(ValueError, match="whole rows"):
+        io.crc32c_lead_rows(np.zeros(8, np.uint8), 4)
+
+
+def test_journal_entries_encoded_in_one_pass_equal_those_encoded_one_by_one():
+    from dsv41.cache.store import format as sf
+    rids = [1, 7, 2**40 + 3, 2**63 - 5]
+    many = sf.encode_journal_many(sf.J_ACCESS, rids, 1_234_567_890_123)
+    assert many == b"".join(sf.encode_journal(sf.J_ACCESS, r, 1_234_567_890_123) for r in rids)
+    assert sf.decode_journal(many) == ([(sf.J_ACCESS, r, 1_234_567_890_123, 0) for r in rids], len(many))
+    assert sf.encode_journal_many(sf.J_ACCESS, [], 5) == b""
+
+
 def _file(tmp_path, data: bytes) -> str:
     p = tmp_path / "f.bin"
     p.write_bytes(data)

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._ext import _C
 
-__all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c", "crc32c_sw",
+__all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c", "crc32c_lead_rows", "crc32c_sw",
            "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",
            "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME",
            "SEAL_DIR_SYNC", "SEAL_DONE"]
@@ -52,6 +52,12 @@ def align_up(n: int) -> int:
 def crc32c(data, crc: int = 0) -> int:
     """CRC-32C of a bytes-like object (hardware instruction where the CPU has it)."""
     return _io.crc32c(data, crc)
+
+
+def crc32c_lead_rows(rows, row_bytes: int) -> None:
+    """In place, for each row_bytes-long row of the writable buffer `rows`: its first 4
+    bytes = CRC-32C of the rest, little-endian (journal entries, a batch in one call)."""
+    _io.crc32c_lead_rows(rows, row_bytes)
 
 
 def crc32c_sw(data, crc: int = 0) -> int:

@@ -52,7 +52,7 @@ from .. import io as _io
 
 __all__ = ["STORE_FORMAT_VERSION", "RECORD_FORMAT_VERSION", "RECORD_ALIGN", "PAGE", "REC_MAGIC", "REC_HEADER",
            "REC_HEADER_BYTES", "REC_DTYPE", "record_span", "record_geometry", "pack_record_headers", "SEG_MAGIC",
-           "SEG_TRAILER_MAGIC", "FOOTER_DTYPE", "JOURNAL_ENTRY", "J_ACCESS", "J_DELETE", "J_WATERMARK", "encode_segment_header", "decode_segment_header",
+           "SEG_TRAILER_MAGIC", "FOOTER_DTYPE", "JOURNAL_ENTRY", "J_ACCESS", "J_DELETE", "J_WATERMARK", "encode_journal_many", "encode_segment_header", "decode_segment_header",
            "encode_trailer", "decode_trailer", "encode_footer", "decode_footer", "encode_journal",
            "decode_journal", "MANIFEST_NAME", "LOCK_NAME", "JOURNAL_NAME", "segment_name",
            "parse_segment_name", "manifest_checksum", "FormatError", "MAX_RECORD_ID", "MAX_KEY_BYTES",
@@ -315,6 +315,20 @@ J_ACCESS, J_DELETE, J_WATERMARK = 1, 2, 3
 def encode_journal(kind: int, record_id: int, time_ns: int, aux: int = 0) -> bytes:
     body = JOURNAL_ENTRY.pack(0, kind, record_id, time_ns, aux)[4:]
     return _io.crc32c(body).to_bytes(4, "little") + body
+
+
+_JOURNAL_DTYPE = np.dtype({"names": ["crc", "kind", "rid", "t", "aux"], "formats": ["<u4", "u1", "<u8", "<u8", "<u8"],
+                           "offsets": [0, 4, 8, 16, 24], "itemsize": JOURNAL_ENTRY.size})
+
+
+def encode_journal_many(kind: int, record_ids, time_ns: int) -> bytes:
+    """encode_journal for many records at one time, in one pass (a load's access times: a
+    64K-token prefix touches a thousand records, ~1.5 us each one by one)."""
+    e = np.zeros(len(record_ids), _JOURNAL_DTYPE)
+    e["kind"], e["rid"], e["t"] = kind, record_ids, time_ns
+    raw = e.view(np.uint8)
+    _io.crc32c_lead_rows(raw, JOURNAL_ENTRY.size)
+    return raw.tobytes()
 
 
 def decode_journal(data: bytes) -> tuple[list[tuple[int, int, int, int]], int]:

@@ -35,7 +35,8 @@ class Journal:
         self.writable = writable
         self.fd: int | None = None  # the writer's append fd
         self.pos = 0                # bytes of valid entries read or written so far
-        self.buf: list[bytes] = []
+        self.buf: list[bytes] = []  # encoded entries not yet written, one or many per item
+        self.pending_bytes = 0
         self.torn_bytes = 0
 
     def _read(self, flags: int) -> tuple[int | None, bytes]:
@@ -82,13 +83,22 @@ class Journal:
     def append(self, kind: int, rid: int, time_ns: int, aux: int = 0) -> None:
         if self.writable:
             self.buf.append(sf.encode_journal(kind, rid, time_ns, aux))
+            self.pending_bytes += sf.JOURNAL_ENTRY.size
+
+    def append_many(self, kind: int, rids, time_ns: int) -> None:
+        """append() of one entry per record, all at time_ns, encoded in one pass."""
+        if self.writable and len(rids):
+            self.buf.append(sf.encode_journal_many(kind, rids, time_ns))
+            self.pending_bytes += len(rids) * sf.JOURNAL_ENTRY.size
 
     def flush(self) -> None:
         if self.fd is None or not self.buf:
             self.buf.clear()
+            self.pending_bytes = 0
             return
         data = b"".join(self.buf)
         self.buf.clear()
+        self.pending_bytes = 0
         try:
             os.pwrite(self.fd, data, self.pos)
             self.pos += len(data)

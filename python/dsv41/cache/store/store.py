@@ -68,6 +68,7 @@ log = logging.getLogger("dsv41.cache.store")
 DURABILITY = ("fsync", "none")
 DEFAULT_TTL_S = 72 * 3600.0
 DEFAULT_SEGMENT_BYTES = 128 << 20
+JOURNAL_FLUSH_BYTES = 128 << 10  # access entries buffered before touch() writes them out (4,096 entries)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -408,15 +409,16 @@ class PersistentStore:
         """Marks records as used now (LRU and TTL count from the last use)."""
         now = self._now_ns()
         with self._lock:
-            recs, log_use = self._ix.recs, self.writable
+            recs, used = self._ix.recs, []
             for rid in rids:
                 r = recs.get(rid)
                 if r is not None:
                     r.atime_ns = now
-                    if log_use:
-                        self._journal.append(sf.J_ACCESS, rid, now)
-            if len(self._journal.buf) >= 4096:
-                self._journal.flush()
+                    used.append(rid)
+            if self.writable:
+                self._journal.append_many(sf.J_ACCESS, used, now)
+                if self._journal.pending_bytes >= JOURNAL_FLUSH_BYTES:
+                    self._journal.flush()
 
     def record_info(self, rid: int) -> dict | None:
         with self._lock:
