@@ -589,13 +589,15 @@ void bind_io(py::module_& parent) {
   m.def("crc32c_lead_rows",
         [](const py::buffer& b, uint64_t row_bytes) {
           ByteView v = byte_view(b, true);
-          if (row_bytes <= 4 || v.size % row_bytes) throw std::invalid_argument("buffer is not whole rows of more than 4 bytes");
+          if (row_bytes <= 4 || v.size % row_bytes)
+            throw std::invalid_argument("buffer is not whole rows of more than 4 bytes");
           for (uint8_t* row = v.ptr; row < v.ptr + v.size; row += row_bytes) {
             const uint32_t c = dsv41::crc32c(0, row + 4, row_bytes - 4);
             for (int i = 0; i < 4; ++i) row[i] = uint8_t(c >> (8 * i));
           }
         },
-        py::arg("rows"), py::arg("row_bytes"), "rows[r][0:4] = crc32c(rows[r][4:]), little-endian, for each row in place");
+        py::arg("rows"), py::arg("row_bytes"),
+        "rows[r][0:4] = crc32c(rows[r][4:]), little-endian, for each row in place");
   m.def("crc32c_combine", [](uint32_t a, uint32_t b, uint64_t len_b) { return crc::combine(a, b, len_b); });
   m.def("crc32c_backend", &crc32c_backend);
   m.def("check_heads", &check_heads, py::arg("heads"), py::arg("specs"), py::arg("tokens"), py::arg("key"),

@@ -23,8 +23,8 @@ import numpy as np
 
 from .._ext import _C
 
-__all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c", "crc32c_lead_rows", "crc32c_sw",
-           "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",
+__all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c",
+           "crc32c_lead_rows", "crc32c_sw", "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",
            "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME",
            "SEAL_DIR_SYNC", "SEAL_DONE"]
 

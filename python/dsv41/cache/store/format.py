@@ -52,8 +52,9 @@ from .. import io as _io
 
 __all__ = ["STORE_FORMAT_VERSION", "RECORD_FORMAT_VERSION", "RECORD_ALIGN", "PAGE", "REC_MAGIC", "REC_HEADER",
            "REC_HEADER_BYTES", "REC_DTYPE", "record_span", "record_geometry", "pack_record_headers", "SEG_MAGIC",
-           "SEG_TRAILER_MAGIC", "FOOTER_DTYPE", "JOURNAL_ENTRY", "J_ACCESS", "J_DELETE", "J_WATERMARK", "encode_journal_many", "encode_segment_header", "decode_segment_header",
-           "encode_trailer", "decode_trailer", "encode_footer", "decode_footer", "encode_journal",
+           "SEG_TRAILER_MAGIC", "FOOTER_DTYPE", "JOURNAL_ENTRY", "J_ACCESS", "J_DELETE", "J_WATERMARK",
+           "encode_segment_header", "decode_segment_header", "encode_trailer", "decode_trailer", "encode_footer",
+           "decode_footer", "encode_journal", "encode_journal_many",
            "decode_journal", "MANIFEST_NAME", "LOCK_NAME", "JOURNAL_NAME", "segment_name",
            "parse_segment_name", "manifest_checksum", "FormatError", "MAX_RECORD_ID", "MAX_KEY_BYTES",
            "MAX_SEGMENT_SEQ", "valid_record_id"]
@@ -317,13 +318,14 @@ def encode_journal(kind: int, record_id: int, time_ns: int, aux: int = 0) -> byt
     return _io.crc32c(body).to_bytes(4, "little") + body
 
 
+# JOURNAL_ENTRY as a numpy row (the test of encode_journal_many holds them equal).
 _JOURNAL_DTYPE = np.dtype({"names": ["crc", "kind", "rid", "t", "aux"], "formats": ["<u4", "u1", "<u8", "<u8", "<u8"],
                            "offsets": [0, 4, 8, 16, 24], "itemsize": JOURNAL_ENTRY.size})
 
 
 def encode_journal_many(kind: int, record_ids, time_ns: int) -> bytes:
     """encode_journal for many records at one time, in one pass (a load's access times: a
-    64K-token prefix touches a thousand records, ~1.5 us each one by one)."""
+    64K-token prefix touches a thousand records, ~0.7 us each one by one)."""
     e = np.zeros(len(record_ids), _JOURNAL_DTYPE)
     e["kind"], e["rid"], e["t"] = kind, record_ids, time_ns
     raw = e.view(np.uint8)

@@ -480,7 +480,7 @@ def commit_pending(store: PersistentStore, pending: list[PendingRecord]) -> Comm
     for gi, g in enumerate(groups):
         # A record whose parent is gone (dropped, or deleted since put) cannot be
         # stored: the store holds whole prefixes only. Parents come before children; a
-        # parent in a segment still being sealed counts (seal_segment checks it made it).
+        # parent in a segment still being sealed counts (seal_segments checks it made it).
         with store._lock:
             alive = _with_live_parents(store, g)
         if len(alive) < len(g):
