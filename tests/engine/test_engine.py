@@ -89,3 +89,20 @@ def test_demo_cli_json(tmp_path, capsys):
     assert main(args) == 0
     res2 = json.loads(capsys.readouterr().out)
     assert res2["summary"]["warmup"]["ssd_hit_tokens"] > 0
+
+
+def test_memory_stats_count_the_pools_a_request_uses(tiny_model, make_cache):
+    cache, _ = make_cache()
+    eng = Engine(tiny_model, cache=cache)
+    assert Engine(tiny_model).memory_stats() == {}
+    before = eng.memory_stats()
+    gpu = before["global_kv"]
+    assert gpu["unit"] == "pages" and gpu["used"] == 0 and gpu["free"] == gpu["total"] > 0
+    eng.generate([tokens(30, 40)], SamplingParams(max_new_tokens=3))
+    after = eng.memory_stats()
+    # 40 prompt + 2 fed-back output tokens: two full 16-token blocks stay cached, unreferenced
+    assert after["global_kv"]["used"] == 2 and after["global_kv"]["referenced"] == 0
+    assert after["global_kv"]["used"] + after["global_kv"]["free"] == gpu["total"]
+    swa = after["swa_snapshots"]
+    assert swa["unit"] == "bytes" and 0 < swa["used"] and swa["used"] + swa["free"] == swa["total"]
+    assert eng.counters["preemptions"] == 0

@@ -59,7 +59,8 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._events: list[StreamEvent] = []
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "steps": 0, "prefill_tokens": 0,
-                         "replayed_tokens": 0, "decode_tokens": 0, "prompt_tokens": 0}
+                         "replayed_tokens": 0, "decode_tokens": 0, "prompt_tokens": 0,
+                         "preemptions": 0}
         self.paths = {p: 0 for p in ("cold", "both_hit", "encoder_replay", "recompute")}
 
     # ---- requests -----------------------------------------------------------------------
@@ -229,6 +230,26 @@ class Engine:
             yield from mine
             if any(e.finished for e in mine):
                 return
+
+    def memory_stats(self) -> dict[str, dict]:
+        """The KV memory this engine can draw on, pool by pool: {pool: {"used", "free",
+        "total", "unit"}}. "global_kv" counts the GPU pool's pages (cached or referenced
+        blocks are used; evictable ones count as used until evicted); "swa_snapshots" the
+        host snapshot tier's bytes. Empty without a cache."""
+        out: dict[str, dict] = {}
+        if self.cache is None:
+            return out
+        stats = self.cache.stats()
+        gpu = stats["gpu"]
+        out["global_kv"] = {"used": gpu["cached_blocks"], "free": gpu["free_blocks"],
+                            "total": gpu["num_blocks"], "referenced": gpu["referenced_blocks"],
+                            "unit": "pages"}
+        swa = stats.get("swa")
+        if swa is not None:
+            out["swa_snapshots"] = {"used": swa["used_bytes"],
+                                    "free": swa["capacity_bytes"] - swa["used_bytes"],
+                                    "total": swa["capacity_bytes"], "unit": "bytes"}
+        return out
 
     def metrics(self) -> dict:
         """Engine counters, paths taken, and the cache's statistics and metrics registry."""
