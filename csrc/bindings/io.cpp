@@ -403,6 +403,9 @@ void bind_io(py::module_& parent) {
   m.attr("FAULT_REFUSE_DIRECT_OPEN") = static_cast<uint32_t>(io::kFaultRefuseDirectOpen);
   m.attr("FAULT_REFUSE_DIRECT_IO") = static_cast<uint32_t>(io::kFaultRefuseDirectIo);
   m.attr("FAULT_NO_SPACE") = static_cast<uint32_t>(io::kFaultNoSpace);
+  m.attr("FAULT_SLOW_SEAL") = static_cast<uint32_t>(io::kFaultSlowSeal);
+  m.attr("FAULT_OP_OPEN") = static_cast<int>(io::kFaultOpOpen);
+  m.attr("FAULT_OP_READ") = static_cast<int>(io::kFaultOpRead);
   m.attr("RECORD_STATUS") = py::make_tuple("ok", "truncated", "header", "checksum", "collision", "chain");
   m.attr("SEAL_WRITES") = static_cast<int>(IoEngine::kSealWrites);
   m.attr("SEAL_SYNC") = static_cast<int>(IoEngine::kSealSync);
@@ -537,6 +540,8 @@ void bind_io(py::module_& parent) {
              return e.fsync(fd);
            })
       .def("set_faults", &IoEngine::set_faults, py::arg("faults"), py::arg("nospace_after") = 0)
+      .def("inject_fault", &IoEngine::inject_fault, py::arg("op"), py::arg("skip"), py::arg("count"),
+           py::arg("err"))
       .def("counters", [](const IoEngine& e) { return counters_dict(e.counters()); });
 
   m.def("crc32c",

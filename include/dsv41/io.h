@@ -119,7 +119,12 @@ enum Fault : uint32_t {
   kFaultRefuseDirectIo = 1u << 1,    // the first I/O on an O_DIRECT fd fails with EINVAL
   kFaultNoSpace = 1u << 2,           // writes fail with ENOSPC once `nospace_after` bytes
                                      // have been written (counted over the engine's life)
+  kFaultSlowSeal = 1u << 3,          // seal_files sleeps 300 ms before its first step (a
+                                     // slow fsync: a process can exit while one runs)
 };
+
+// Test-only injected failures of single operations (IoEngine::inject_fault).
+enum FaultOp : int { kFaultOpOpen = 0, kFaultOpRead = 1 };
 
 struct IoCounters {
   uint64_t bytes_read = 0;
@@ -202,6 +207,11 @@ class IoEngine {
   void parallel_for(size_t n, const std::function<void(size_t)>& fn) { pool_.parallel_for(n, fn); }
 
   void set_faults(uint32_t faults, uint64_t nospace_after);
+  // Test hook: after `skip` more operations of kind `op` (FaultOp: open(), or one read
+  // chunk of run()), the next `count` fail: with errno `err`, or, a read with err 0,
+  // short (half the chunk, rounded down to 4 KiB, no errno: as at the end of the file).
+  // count 0 disarms. A store must treat either as a miss, never as a damaged record.
+  void inject_fault(int op, uint64_t skip, uint64_t count, int err);
   IoCounters counters() const;
 
  private:
@@ -216,6 +226,7 @@ class IoEngine {
   void write_worker();
   int do_io(int fd, uint8_t* buf, uint64_t length, uint64_t offset, bool write, uint64_t* done);
   bool drop_direct(int fd);
+  bool take_fault(int op, int* err);  // whether this operation is an injected failure
 
   ThreadPool pool_;
   uint64_t chunk_bytes_;
@@ -239,6 +250,13 @@ class IoEngine {
   std::atomic<uint32_t> faults_{0};
   std::atomic<uint64_t> nospace_after_{0};
   std::atomic<bool> direct_io_refused_once_{false};
+  struct Injected {
+    uint64_t skip = 0, count = 0;
+    int err = 0;
+  };
+  std::mutex fmu_;
+  Injected injected_[2];                    // by FaultOp
+  std::atomic<bool> injected_armed_{false};  // any count > 0: only then take fmu_
   std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0}, read_ops_{0}, write_ops_{0},
       direct_ops_{0}, buffered_ops_{0}, direct_fallbacks_{0}, errors_{0};
 };

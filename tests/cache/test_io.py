@@ -184,6 +184,36 @@ def test_disk_full_is_reported_not_hidden(tmp_path):
         eng.open(str(tmp_path / "no" / "such"), os.O_RDONLY)
 
 
+def test_injected_faults_fail_the_chosen_operation_once(tmp_path):
+    """The test hook the store's read-fault tests stand on: after `skip` operations the
+    next `count` of one kind fail (an errno, or for reads with err 0 a short read)."""
+    eng = io.IOEngine(1)
+    data = bytes(range(256)) * 64  # 4 pages
+    (tmp_path / "f.bin").write_bytes(data)
+    f = eng.open(str(tmp_path / "f.bin"), os.O_RDONLY, direct=False)
+    buf, view = io.staging(len(data))
+    op = [(f.fd, 0, len(data), buf, 0)]
+    eng.inject_fault("read", errno.EIO, skip=1)
+    assert eng.pread(op) == [(len(data), 0)]  # skipped
+    assert eng.pread(op) == [(0, errno.EIO)]
+    assert eng.pread(op) == [(len(data), 0)]  # once
+    eng.inject_fault("read", 0)
+    view[:] = 0
+    assert eng.pread(op) == [(len(data) // 2, 0)] and view[: len(data) // 2].tobytes() == data[: len(data) // 2]
+    eng.inject_fault("open", errno.EMFILE, count=2)
+    for _ in range(2):
+        with pytest.raises(OSError) as e:
+            eng.open(str(tmp_path / "f.bin"), os.O_RDONLY)
+        assert e.value.errno == errno.EMFILE
+    os.close(eng.open(str(tmp_path / "f.bin"), os.O_RDONLY).fd)
+    eng.inject_fault("read", errno.EIO, count=5)
+    eng.inject_fault("read", errno.EIO, count=0)  # disarmed
+    assert eng.pread(op) == [(len(data), 0)]
+    with pytest.raises(ValueError):
+        eng.inject_fault("write", errno.EIO)
+    os.close(f.fd)
+
+
 def test_copies_and_buffers():
     eng = io.IOEngine(2)
     src = torch.arange(5 * 64, dtype=torch.int32).view(torch.uint8).reshape(5, -1).clone()

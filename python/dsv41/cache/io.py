@@ -13,6 +13,7 @@ the filesystem accepts it, page cache otherwise).
 """
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import site
@@ -25,7 +26,7 @@ from .._ext import _C
 
 __all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c",
            "crc32c_lead_rows", "crc32c_sw", "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",
-           "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME",
+           "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE", "FAULT_SLOW_SEAL", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME",
            "SEAL_DIR_SYNC", "SEAL_DONE"]
 
 _io = _C.io
@@ -36,6 +37,7 @@ AlignedBuffer = _io.AlignedBuffer
 FAULT_REFUSE_DIRECT_OPEN: int = _io.FAULT_REFUSE_DIRECT_OPEN
 FAULT_REFUSE_DIRECT_IO: int = _io.FAULT_REFUSE_DIRECT_IO
 FAULT_NO_SPACE: int = _io.FAULT_NO_SPACE
+FAULT_SLOW_SEAL: int = _io.FAULT_SLOW_SEAL
 RECORD_STATUS: tuple[str, ...] = _io.RECORD_STATUS  # codes of IoEngine.read_records
 # IOEngine.seal_file's steps, in order
 SEAL_WRITES: int = _io.SEAL_WRITES
@@ -161,9 +163,26 @@ class IOEngine:
         if r < 0:
             raise OSError(-r, os.strerror(-r), path)
 
+    def read_records(self, ops: list, tokens, key: bytes | None, out, payload_bytes: int) -> list:
+        """Reads ops [(fd, offset, length, buffer, buffer_offset, [record spec, ...])] and
+        checks each record in the worker that read it (dsv41/record.h; the bindings say
+        what a spec holds); verified payloads go to their row of `out` (flat uint8 or
+        None). Returns [(bytes_read, errno, [record status code, ...])] per op."""
+        return self._eng.read_records(ops, tokens, key, out, payload_bytes)
+
     def set_faults(self, faults: int, nospace_after: int = 0) -> None:
-        """Test hook: FAULT_* flags (simulated O_DIRECT refusal, disk full after N bytes)."""
+        """Test hook: FAULT_* flags (simulated O_DIRECT refusal, disk full after N bytes,
+        a slow seal)."""
         self._eng.set_faults(faults, nospace_after)
+
+    def inject_fault(self, op: str, err: int = errno.EIO, skip: int = 0, count: int = 1) -> None:
+        """Test hook: after `skip` more operations of kind `op` ("open", or "read": one
+        read chunk), the next `count` fail with errno `err`; a read with err 0 comes back
+        short instead (half its bytes, no errno). count 0 disarms."""
+        kinds = {"open": _io.FAULT_OP_OPEN, "read": _io.FAULT_OP_READ}
+        if op not in kinds:
+            raise ValueError(f"op is 'open' or 'read', got {op!r}")
+        self._eng.inject_fault(kinds[op], int(skip), int(count), int(err))
 
     def counters(self) -> dict:
         return self._eng.counters()
