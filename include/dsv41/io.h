@@ -290,19 +290,30 @@ struct GdsStatus {
   std::string reason;   // why not, or the library that was loaded
 };
 GdsStatus gds_status();          // loads and opens the driver on first use
+// What a GdsFile::read/write result or a cuFile error code (>= 5000, either sign) means:
+// the CUfileOpError's name and text from cufile.h, or strerror for an errno.
+std::string gds_error_string(int64_t code);
 class GdsFile {
  public:
-  GdsFile(const std::string& path, bool write);  // throws std::runtime_error on failure
+  // Opens `path` with O_DIRECT (without it where the filesystem refuses O_DIRECT: cuFile
+  // then decides, and in compatibility mode reads through its POSIX path) and registers
+  // it with cuFile. Throws std::runtime_error naming the step that failed and why.
+  GdsFile(const std::string& path, bool write);
   ~GdsFile();
   GdsFile(const GdsFile&) = delete;
   GdsFile& operator=(const GdsFile&) = delete;
-  // cuFileRead/cuFileWrite into/from device memory; bytes or -errno / -cuFile error.
+  // cuFileRead/cuFileWrite into/from device memory: bytes, or -errno for a system error
+  // (cuFile's -1 with errno set), or -(a CUfileOpError, >= 5000) for cuFile's own.
   int64_t read(void* dev_ptr, uint64_t size, uint64_t file_offset, uint64_t dev_offset);
   int64_t write(const void* dev_ptr, uint64_t size, uint64_t file_offset, uint64_t dev_offset);
 
  private:
   int fd_ = -1;
   void* handle_ = nullptr;
+  bool direct_ = false;
+
+ public:
+  bool direct() const { return direct_; }  // whether the fd has O_DIRECT
 };
 
 }  // namespace io

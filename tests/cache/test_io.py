@@ -238,6 +238,22 @@ def test_io_info_reports_the_active_path():
         assert info["backend"] == "posix" and not info["gds_available"] and info["gds_detail"]
 
 
+def test_gds_failures_are_named():
+    """cuFile's failures reach `dsv41 info` and the store's logs by name: an errno as its
+    text, a CUfileOpError (>= 5000) with its number (and cufile.h's text where built)."""
+    assert io.gds_error_string(-errno.EIO) == os.strerror(errno.EIO)
+    assert io.gds_error_string(errno.EACCES) == os.strerror(errno.EACCES)
+    assert "5012" in io.gds_error_string(-5012)
+
+
+@pytest.mark.skipif(io.io_info()["gds_available"], reason="GPUDirect Storage works here")
+def test_gds_probe_names_the_step_that_failed_and_leaves_nothing(tmp_path):
+    why = io.gds_probe(str(tmp_path))
+    assert why and "unavailable" in why
+    assert list(tmp_path.iterdir()) == []
+    assert io.gds_probe(str(tmp_path / "no" / "such")).startswith("cannot write a probe file")
+
+
 def test_reads_checksum_ranges_in_the_worker(tmp_path):
     data = os.urandom(3 * io.ALIGN)
     path = _file(tmp_path, data)

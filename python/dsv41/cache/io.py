@@ -18,6 +18,7 @@ import glob
 import os
 import site
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,7 @@ from .._ext import _C
 
 __all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c",
            "crc32c_lead_rows", "crc32c_sw", "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",
-           "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE", "FAULT_SLOW_SEAL", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME",
+           "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE", "FAULT_SLOW_SEAL", "gds_error_string", "gds_probe", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME",
            "SEAL_DIR_SYNC", "SEAL_DONE"]
 
 _io = _C.io
@@ -206,10 +207,69 @@ def _point_at_wheel_cufile() -> None:
             return
 
 
+def gds_error_string(code: int) -> str:
+    """What a GdsFile result (-errno, or -CUfileOpError) or a cuFile error code means."""
+    return _io.gds_error_string(int(code))
+
+
+_probed: dict[str, str | None] = {}
+
+
+def gds_probe(directory: str | None = None) -> str | None:
+    """None when a GPUDirect Storage read works in `directory` (default: the temporary
+    directory): a known pattern is written there through the page cache, read back by
+    cuFile into device memory at a page offset, as the store reads, and compared.
+    Otherwise the step that failed and why. Driver open alone proves little: a cuFile
+    that opens may still refuse the file (the filesystem, O_DIRECT) or fail the read
+    (compatibility mode, the CUDA context). Cached per directory for the process."""
+    directory = os.fspath(directory or tempfile.gettempdir())
+    if directory in _probed:
+        return _probed[directory]
+    import torch
+
+    page = ALIGN
+    want = (np.arange(2 * page, dtype=np.int64) * 7 + 3).astype(np.uint8)
+    why = None
+    try:
+        fd, path = tempfile.mkstemp(prefix=".tmp-dsv41-gds-probe-", dir=directory)
+    except OSError as e:
+        why = f"cannot write a probe file in {directory}: {e.strerror or e}"
+    else:
+        try:
+            os.write(fd, want.tobytes())
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            f = _io.GdsFile(path, False)
+            dev = torch.zeros(3 * page, dtype=torch.uint8, device="cuda")
+            n = f.read(dev, 2 * page, 0, page)
+            if n < 0:
+                why = f"cuFileRead failed: {gds_error_string(n)}"
+            elif n != 2 * page:
+                why = f"cuFileRead read {n} of {2 * page} bytes"
+            elif not np.array_equal(dev[page:].cpu().numpy(), want):
+                why = "cuFileRead returned other bytes than the file holds"
+            del f
+        except (RuntimeError, OSError) as e:
+            why = str(e)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            os.unlink(path)
+    _probed[directory] = why
+    return why
+
+
 def io_info() -> dict:
-    """Which I/O path is active, for build_info() and `dsv41 info`."""
+    """Which I/O path is active, for build_info() and `dsv41 info`. GPUDirect Storage
+    counts as available only once a probe read (gds_probe) in the temporary directory
+    returned the right bytes; gds_detail names the step that failed otherwise."""
     _point_at_wheel_cufile()
     gds_ok, gds_reason = _io.gds_status()
+    if gds_ok:
+        why = gds_probe()
+        if why is not None:
+            gds_ok, gds_reason = False, f"{gds_reason}, but a probe read in {tempfile.gettempdir()} failed: {why}"
     return {
         "backend": "gds" if gds_ok else "posix",
         "posix": "pread/pwrite, O_DIRECT (4 KiB aligned) where the filesystem accepts it",
