@@ -112,6 +112,11 @@ def _compact(store: PersistentStore, segs: list[SegmentFile]) -> tuple[int, int]
     if recs:
         with store._reading():
             status, item, where = reads.read_checked(store, recs, None, None, None)
+        if any(st not in reads.DAMAGED and st != "ok" for st in status):
+            # A read failed without proving anything (an I/O error, a short read, a file
+            # that would not open): these segments stay as they are, for a later GC.
+            store._put_staging(item)
+            return 0, 0
         view = item[1]
         for i, (r, st) in enumerate(zip(recs, status)):
             if st != "ok":

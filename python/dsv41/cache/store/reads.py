@@ -5,12 +5,18 @@ the I/O worker that read it (C++, dsv41/record.h), and its payload copied out by
 that checksums it. Device path (read_into): cuFile reads into device memory, CRCs computed
 there, heads checked on the host by the same C++ check. Both check the link to the parent
 there too (_parent_hash), and both group records back to back in one segment into one I/O
-(_plan). A failed record is removed (settle).
+(_plan).
+
+A failed read never removes a record (settle). An I/O error, a short read, a segment that
+would not open or a failed device read is a miss ("io"): counted, and the device path
+hands its records to the host path. Only a verified mismatch of the bytes (header, data
+CRC, the link to the parent, a file shorter than the record) removes a record, and a
+device read's verdict is first confirmed by the host path.
 """
 from __future__ import annotations
 
-import errno
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -35,6 +41,9 @@ READ_BATCH = 64 << 20  # payload bytes one load() reads per call
 # op run while the others are still being read.
 GROUP_BYTES = 1 << 20
 RECORD_STATUS = _io.RECORD_STATUS  # "ok", "truncated", "header", "checksum", "collision", "chain"
+# Statuses that prove the bytes on disk are not the record the index holds: the record is
+# removed (with its subtree). "missing" (its segment file is gone) forgets it in memory only.
+DAMAGED = frozenset(("truncated", "header", "checksum", "chain"))
 
 
 def _parent_hash(get: Callable, r) -> bytes | None:
@@ -57,7 +66,7 @@ def _plan(store: PersistentStore, recs: list, status: list[str], links: bool) ->
     ...]] per I/O, and the segments' fds. Called under store._lock. The parent link of a
     record that follows its parent in `recs` (a chain) is checked against that record's
     hash, which the same read verifies; otherwise against the index's (_parent_hash)."""
-    fds: dict[bytes, int | None] = {}
+    fds: dict[bytes, int | str] = {}
     groups: list[list] = []
     get, g, prev, page = store._ix.recs.get, None, None, sf.PAGE
     for i, r in enumerate(recs):
@@ -66,14 +75,18 @@ def _plan(store: PersistentStore, recs: list, status: list[str], links: bool) ->
             prev = None
             continue
         seg = r.seg
-        fd = fds.get(seg.uuid, -1)
-        if fd == -1:
+        fd = fds.get(seg.uuid)
+        if fd is None:
             try:
                 fd = fds[seg.uuid] = store._seg_fd(seg)
-            except (FileNotFoundError, OSError):  # gone, or a link/FIFO in its place
-                fd = fds[seg.uuid] = None
-        if fd is None:
-            status[i] = "missing"
+            except FileNotFoundError:  # the file is gone
+                fd = fds[seg.uuid] = "missing"
+            except OSError:  # EMFILE, EACCES, a link or FIFO in its place: nothing proven
+                fd = fds[seg.uuid] = "io"
+        if type(fd) is str:
+            status[i] = fd
+            if fd == "io":
+                store.metrics.read_errors.inc(tier="ssd", kind="open")
             prev = None
             continue
         off, span, parent = r.offset, r.span, r.parent
@@ -117,25 +130,44 @@ def read_checked(store: PersistentStore, recs: list, tokens: np.ndarray | None, 
             where[i] = pos + spec[0]
         pos += size
     try:
-        results = store._eng._eng.read_records(ops, tokens, key, None if out is None else out.reshape(-1),
-                                              store.identity.block_bytes)
+        results = store._eng.read_records(ops, tokens, key, None if out is None else out.reshape(-1),
+                                          store.identity.block_bytes)
     except BaseException:
         store._put_staging(item)
         raise
     for g, (done, err, codes) in zip(groups, results):
         if not err and not any(codes):
             continue  # every record of this op passed
-        for i, code in zip(g[3], codes):
-            if code != 0 and err and code == 1:  # short because the read failed
-                status[i] = "missing" if err in (errno.ENOENT, errno.EBADF) else "io"
-            else:
-                status[i] = RECORD_STATUS[code]
+        for i, code, spec in zip(g[3], codes, g[5]):
+            status[i] = RECORD_STATUS[code]
+            if code == _TRUNCATED and done < spec[0] + spec[1]:
+                # The read stopped inside this record: an I/O error, or a short read that
+                # proves damage only if the file really ends there.
+                if not err and _file_ends_before(g[0], g[1] + done):
+                    continue
+                status[i] = "io"
+                store.metrics.read_errors.inc(tier="ssd", kind="read" if err else "short")
     return status, item, where
 
 
+_TRUNCATED = RECORD_STATUS.index("truncated")
+
+
+def _file_ends_before(seg: SegmentFile, end: int) -> bool:
+    """Whether segment file `seg` holds no bytes at `end` or beyond (its size, by fstat
+    on the fd the read used): then a read that stopped there was cut by the file's end."""
+    try:
+        return seg.fd is not None and os.fstat(seg.fd).st_size <= end
+    except OSError:
+        return False
+
+
 def settle(store: PersistentStore, rids, recs, status, t0) -> None:
-    """Counts a batch's outcome and removes what failed verification (never the
-    collisions: those records are intact, just another prefix's)."""
+    """Counts a batch's outcome. A record whose bytes proved damaged (DAMAGED) is removed
+    with its subtree; one whose segment file is gone is forgotten in memory (the files are
+    the truth: a restart would not find it either). Nothing else removes anything: an
+    "io" status is a miss, counted in read_errors; a collision is intact, another
+    prefix's record."""
     if status.count("ok") == len(status):
         store.metrics.bytes_read.inc(len(status) * store.identity.block_bytes, tier="ssd")
         store.metrics.ssd_read_seconds.observe(time.perf_counter() - t0)
@@ -144,50 +176,62 @@ def settle(store: PersistentStore, rids, recs, status, t0) -> None:
     for i, st in enumerate(status):
         if st == "ok":
             good_bytes += store.identity.block_bytes
-        elif st != "collision":
+        elif st == "collision":
+            store.metrics.collisions.inc(tier="ssd")
+        elif st == "io":
+            continue  # counted where it happened (read_errors)
+        else:
             with store._lock:
                 moved = recs[i] is not None and store._ix.recs.get(rids[i]) is not recs[i]
             if moved:
                 continue  # compaction moved it while we read the old copy: just a miss
             store.metrics.checksum_failures.inc(kind=st)
+            if st == "missing":
+                _forget(store, rids[i])
+                continue
             log.warning("persistent record %d failed verification (%s): removed, served as a miss",
                         rids[i], st)
             if store.writable:
-                store._delete(rids[i], "missing" if st == "missing" else "corruption")
+                store._delete(rids[i], "corruption")
             else:
-                with store._lock:
-                    r = store._ix.recs.get(rids[i])
-                    if r is not None:
-                        store._ix.remove(r)
-        else:
-            store.metrics.collisions.inc(tier="ssd")
+                _forget(store, rids[i])
     store.metrics.bytes_read.inc(good_bytes, tier="ssd")
     store.metrics.ssd_read_seconds.observe(time.perf_counter() - t0)
 
 
-def device_read(store: PersistentStore, seg: SegmentFile, staging: torch.Tensor, size: int, file_off: int, dev_off: int) -> tuple[int, int]:
-    """(bytes read, errno) of one read into `staging`: cuFile on a CUDA device, the
-    engine's pread elsewhere (the CPU runs this path in the tests)."""
+def _forget(store: PersistentStore, rid: int) -> None:
+    """Drops a record and its subtree from the in-memory index only (no journal entry)."""
+    with store._lock:
+        r = store._ix.recs.get(rid)
+        if r is not None:
+            for cur in store._ix.remove_subtree(r):
+                store.metrics.evictions.inc(tier="ssd", cause="missing" if cur is r else "orphan")
+
+
+def device_read(store: PersistentStore, seg: SegmentFile, staging: torch.Tensor, size: int, file_off: int,
+                dev_off: int) -> tuple[int, str | None]:
+    """(bytes read, why it failed or None) of one read into `staging`: cuFile on a CUDA
+    device, the engine's pread elsewhere (the CPU runs this path in the tests)."""
     path = store.path / seg.name
     if staging.device.type == "cuda":
         with store._lock:
             f = store._gds_files.get(seg.uuid)
             if f is None:
                 if not path.is_file() or path.is_symlink():
-                    return 0, errno.ENOENT
+                    return 0, f"{path} is not a regular file"
                 try:
                     f = store._gds_files[seg.uuid] = _io._io.GdsFile(str(path), False)
-                except RuntimeError:
-                    return 0, errno.ENOENT if not path.exists() else errno.EIO
+                except RuntimeError as e:
+                    return 0, str(e)
         n = f.read(staging, size, file_off, dev_off)
-        return (n, 0) if n >= 0 else (0, -n if -n < 5000 else errno.EIO)
+        return (n, None) if n >= 0 else (0, f"cuFileRead of {path}: {_io.gds_error_string(n)}")
     with store._lock:
         try:
             fd = store._seg_fd(seg)
-        except OSError:
-            return 0, errno.ENOENT
+        except OSError as e:
+            return 0, f"open {path}: {e.strerror or e}"
     [(done, err)] = store._eng.pread([(fd, file_off, size, staging.numpy(), dev_off)])
-    return done, err
+    return done, (f"pread of {path}: {os.strerror(err)}" if err else None)
 
 
 def device_crc(store: PersistentStore, staging: torch.Tensor, ranges: list[tuple[int, int]]) -> list[int]:
@@ -206,7 +250,13 @@ def read_into(store: PersistentStore, rids: list[int], tokens: np.ndarray | None
     computed there, and only each record's head (header, token ids, key) comes back to
     the host for the remaining checks (the same C++ check as read()). Verified payloads
     are then copied device to device into dst. On the CPU the same steps run with pread
-    and the host CRC."""
+    and the host CRC.
+
+    Every record the device path does not verify goes through the host path (read()'s),
+    whose verdict is final: a device read that failed is a miss there, never a damaged
+    record. When the host path serves what the device path could not, the device path
+    steps aside for this store (device_path_reason says why) and later reads take the
+    host path."""
     if not rids:
         return []
     t0 = time.perf_counter()
@@ -218,22 +268,59 @@ def read_into(store: PersistentStore, rids: list[int], tokens: np.ndarray | None
     status = ["ok"] * len(rids)
     with store._lock:
         recs = [store._ix.recs.get(rid) for rid in rids]
+    if store.device_path_reason is None:
+        why, failed = _device_step(store, recs, tokens, key, dst, status)
+    else:
+        why, failed = None, set()
+        status = ["io" if r is not None else "missing" for r in recs]
+    redo = [i for i, st in enumerate(status) if st != "ok" and st != "collision" and recs[i] is not None]
+    if redo:
+        rows = np.zeros((len(redo), P), np.uint8)
+        with store._reading():
+            host, item, _ = read_checked(store, [recs[i] for i in redo],
+                                         None if tokens is None else tokens[redo], key, rows, links=True)
+            store._put_staging(item)
+        served = [k for k, st in enumerate(host) if st == "ok"]
+        if served:
+            idx = torch.tensor([redo[k] for k in served], dtype=torch.long, device=dst.device)
+            dst.index_copy_(0, idx, torch.from_numpy(rows[served]).to(dst.device))
+        recovered = [redo[k] for k in served if redo[k] in failed]
+        if recovered and store.device_path_reason is None:
+            store._device_step_aside(why or f"a device read failed its {status[recovered[0]]} check where the "
+                                     f"host read of the same record passed")
+        for k, i in enumerate(redo):
+            status[i] = host[k]
+    settle(store, rids, recs, status, t0)
+    return status
+
+
+def _device_step(store: PersistentStore, recs: list, tokens: np.ndarray | None, key: bytes, dst: torch.Tensor,
+                 status: list[str]) -> tuple[str | None, set[int]]:
+    """The device half of read_into: reads `recs` into device staging, checks them and
+    copies the verified payloads into their rows of dst; sets status[i] ("io" where a
+    read failed: counted, for the host path to retry). Returns (why a device read
+    failed, or None; the records whose device read or check failed)."""
+    P = store.identity.block_bytes
+    with store._lock:
         groups, _ = _plan(store, recs, status, links=True)
     staging = torch.empty(max(1, sum(g[2] for g in groups)), dtype=torch.uint8, device=dst.device)
-    where, got, link, pos = {}, {}, {}, 0
+    where, got, link, pos, why = {}, {}, {}, 0, None
     for seg, file_off, size, members, _, specs in groups:
         done, err = device_read(store, seg, staging, size, file_off, pos)
+        why = why or err
         for i, (rel, span, *_, ph) in zip(members, specs):
             where[i] = pos + rel
             got[i] = span if done >= rel + span else max(0, done - rel)
             link[i] = ph
-            if done < rel + span and err:
-                status[i] = "missing" if err in (errno.ENOENT, errno.EBADF) else "io"
+            if done < rel + span and (err or done < size):
+                status[i] = "io"  # failed or short: the host path decides
+                store.metrics.read_errors.inc(tier="ssd", kind="device")
+                why = why or f"a device read returned {done} of {size} bytes"
         pos += size
-    live = [i for i in range(len(rids)) if status[i] == "ok"]
+    failed = {i for i in range(len(recs)) if status[i] == "io" and i in where}
+    live = [i for i in range(len(recs)) if status[i] == "ok"]
     if not live:
-        settle(store, rids, recs, status, t0)
-        return status
+        return why, failed
     # The heads come back to the host first: their record_bytes say which range to checksum.
     # A head is header, token ids and key up to the payload: within any intact record's
     # span (a page-rounded head could run past a small packed record's end).
@@ -254,12 +341,13 @@ def read_into(store: PersistentStore, rids: list[int], tokens: np.ndarray | None
     codes = _io._io.check_heads(heads.reshape(-1), specs, tokens, key, P, head_bytes)
     for i, code in zip(live, codes):
         status[i] = RECORD_STATUS[code]
+        if code and status[i] != "collision":
+            failed.add(i)
     for k, i in enumerate(live):
         if status[i] == "ok":
             po = int(hdr["payload_offset"][k])
             dst[i].copy_(staging[where[i] + po: where[i] + po + P], non_blocking=True)
-    settle(store, rids, recs, status, t0)
-    return status
+    return why, failed
 
 
 def read(store: PersistentStore, rids: list[int], tokens: np.ndarray | None, key: bytes, out: np.ndarray | None) -> list[str]:

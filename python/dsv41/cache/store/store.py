@@ -197,6 +197,9 @@ class PersistentStore:
         self.closed = False
         self._direct_seen: bool | None = None  # whether the filesystem took O_DIRECT
         self._gds_ok: bool | None = None
+        # Why the device path of read_into stepped aside (a device read failed where the
+        # host read of the same records passed), or None while it is in use.
+        self.device_path_reason: str | None = None
         self._gds_files: dict[bytes, object] = {}
         # Chunk writes go to the engine's writer threads (submit_write); these are the ones
         # in flight, oldest first: (ticket, staging item, bytes, segment), reaped in order.
@@ -378,11 +381,13 @@ class PersistentStore:
         """Reads and verifies records `rids` (one per row of `tokens`, uint32 [n, T]); copies
         the payload of each verified one into row i of `out` (uint8 [n, block_bytes]).
 
-        Returns one status per record: "ok", "collision" (intact but another prefix: token
-        ids or key differ), or the failure that removed it: "missing", "truncated",
-        "header", "checksum", "io", "chain" (its parent hash is not its parent's block
-        hash). With tokens None the token ids are not compared. Rows of `out` whose status
-        is not "ok" hold no meaningful data.
+        Returns one status per record: "ok"; "collision" (intact but another prefix: token
+        ids or key differ); "io" (the read failed: an I/O error, a short read, a segment
+        that would not open; a miss, nothing is removed); "missing" (its segment file is
+        gone: forgotten); or the damage that removed it: "truncated", "header",
+        "checksum", "chain" (its parent hash is not its parent's block hash). With tokens
+        None the token ids are not compared. Rows of `out` whose status is not "ok" hold
+        no meaningful data.
         """
         return _reads.read(self, rids, tokens, key, out)
 
@@ -395,9 +400,19 @@ class PersistentStore:
 
     @property
     def gds_available(self) -> bool:
+        """Whether reads into CUDA memory go SSD -> GPU (GPUDirect Storage): the process
+        has it (io_info, its probe read included) and this store's device path has not
+        stepped aside."""
         if self._gds_ok is None:
             self._gds_ok = bool(_io.io_info()["gds_available"])
-        return self._gds_ok
+        return self._gds_ok and self.device_path_reason is None
+
+    def _device_step_aside(self, reason: str) -> None:
+        """The device path failed where the host path served the same records: from now
+        on this store's reads into device memory go through host staging."""
+        self.device_path_reason = reason
+        log.warning("persistent store %s: the device read path steps aside, reads go through the host: %s",
+                    self.path, reason)
 
     def load(self, key: bytes, hashes: list[bytes], tokens: np.ndarray, out: np.ndarray | torch.Tensor | None,
              parent: int = 0) -> list[int]:
@@ -645,6 +660,8 @@ class PersistentStore:
                 "recovery": dict(self.counts),
                 "unusable_files": list(self.unusable),
                 "io": self._eng.counters(),
+                "device_path": "in use" if self.device_path_reason is None else
+                f"stepped aside: {self.device_path_reason}",
             }
         return out
 

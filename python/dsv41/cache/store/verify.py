@@ -24,8 +24,9 @@ __all__ = ["verify"]
 
 def verify(store: PersistentStore, progress: Callable[[int, int], None] | None = None, repair: bool = False) -> dict:
     """Reads and checks every record (header and data CRC, identity, chain links, and the
-    block hash when the hash function is known). With repair (writer only) failed
-    records are removed; without it they are only reported."""
+    block hash when the hash function is known). With repair (writer only) records whose
+    bytes proved damaged are removed; without it they are only reported. A read that
+    failed (an I/O error: "io") is reported and never repaired."""
     if repair:
         store._check_writable()
         store._drain_seals()  # check what is committed, including commits still sealing
@@ -65,8 +66,9 @@ def verify(store: PersistentStore, progress: Callable[[int, int], None] | None =
                 report["failed"][st] = report["failed"].get(st, 0) + 1
                 report["failed_records"].append({"record_id": r.rid, "segment": r.seg.name,
                                                  "offset": r.offset, "problem": st})
-                store.metrics.checksum_failures.inc(kind=st)
-                if repair:
+                if st != "io":  # an I/O error is counted in read_errors: nothing proven
+                    store.metrics.checksum_failures.inc(kind=st)
+                if repair and (st in reads.DAMAGED or st == "hash"):
                     store._delete(r.rid, "corruption")
             done_bytes += r.span
         store._put_staging(item)
@@ -74,7 +76,8 @@ def verify(store: PersistentStore, progress: Callable[[int, int], None] | None =
             progress(done_bytes, total)
     if repair:
         store._journal.flush()
-    report["corrupt"] = len(report["failed_records"])
+    # "io": the read failed and proved nothing, so it is not corruption.
+    report["corrupt"] = sum(1 for f in report["failed_records"] if f["problem"] != "io")
     return report
 
 
