@@ -86,7 +86,7 @@ def test_a_failed_read_at_any_position_removes_nothing(tmp_path, seqs, device_pa
     assert positions >= N_CHAINS
     for k in range(positions):
         with open_store(tmp_path) as st:
-            st._eng.inject_fault("read", err, skip=k)
+            st.engine.inject_fault("read", err, skip=k)
             served = _load_all(st, seqs, device_path)
             assert len(st) == N_CHAINS * BLOCKS, f"position {k}: records removed"
             assert st.metrics.checksum_failures.total() == 0
@@ -106,7 +106,7 @@ def test_one_eio_from_the_host_read_removes_nothing(tmp_path, seqs):
     """Reproduced before the fix: one EIO removed the 4 records of the chain read."""
     _build(tmp_path, seqs)
     with open_store(tmp_path) as st:
-        st._eng.inject_fault("read", errno.EIO)
+        st.engine.inject_fault("read", errno.EIO)
         got, _ = _load(st, seqs[0], device_path=False)
         assert got == [] and len(st) == N_CHAINS * BLOCKS
         assert st.metrics.read_errors.value(tier="ssd", kind="read") == BLOCKS
@@ -120,7 +120,7 @@ def test_one_eio_from_the_device_read_step_is_served_by_the_host_path(tmp_path, 
     aside for this store, naming why."""
     _build(tmp_path, seqs)
     with open_store(tmp_path) as st:
-        st._eng.inject_fault("read", errno.EIO)
+        st.engine.inject_fault("read", errno.EIO)
         got, rows = _load(st, seqs[0], device_path=True)
         assert len(got) == BLOCKS and np.array_equal(rows, chain_payloads(seqs[0], key()))
         assert st.metrics.read_errors.value(tier="ssd", kind="device") == BLOCKS
@@ -139,14 +139,14 @@ def test_segments_that_will_not_open_remove_nothing(tmp_path, seqs, err, device_
     or one unreadable segment (EACCES), removed all 32 records, for good (journaled)."""
     _build(tmp_path, seqs)
     with open_store(tmp_path) as st:
-        st._eng.inject_fault("open", err, count=1_000_000)  # every open fails
+        st.engine.inject_fault("open", err, count=1_000_000)  # every open fails
         assert _load_all(st, seqs, device_path) == [0] * N_CHAINS
         assert len(st) == N_CHAINS * BLOCKS
         assert st.metrics.read_errors.value(tier="ssd", kind="open") >= N_CHAINS
-        st._eng.inject_fault("open", err, count=0)
+        st.engine.inject_fault("open", err, count=0)
         assert _load_all(st, seqs, device_path) == [BLOCKS] * N_CHAINS
     with open_store(tmp_path) as st:
-        st._eng.inject_fault("open", err, count=1)  # one segment, once
+        st.engine.inject_fault("open", err, count=1)  # one segment, once
         _load_all(st, seqs, device_path)
         assert len(st) == N_CHAINS * BLOCKS
     _assert_all_there(tmp_path, seqs)
@@ -188,7 +188,7 @@ def test_gc_compaction_with_a_failed_read_removes_nothing(tmp_path, seqs):
         # Half of every segment dead: GC rewrites the live halves, reading them first.
         for s in seqs[::2]:
             st._delete(st.walk(key(), BlockHasher(B).hash_blocks(s, key()))[0], "explicit")
-        st._eng.inject_fault("read", errno.EIO)
+        st.engine.inject_fault("read", errno.EIO)
         rep = st.gc()
         assert rep["corrupt_dropped"] == 0
         assert len(st) == N_CHAINS // 2 * BLOCKS
@@ -200,7 +200,7 @@ def test_gc_compaction_with_a_failed_read_removes_nothing(tmp_path, seqs):
 def test_verify_repair_reports_a_failed_read_and_removes_nothing(tmp_path, seqs):
     _build(tmp_path, seqs)
     with open_store(tmp_path) as st:
-        st._eng.inject_fault("read", errno.EIO)
+        st.engine.inject_fault("read", errno.EIO)
         rep = st.verify(repair=True)
         assert rep["failed"].get("io", 0) >= 1 and rep["corrupt"] == 0
         assert len(st) == N_CHAINS * BLOCKS

@@ -28,6 +28,7 @@ collide. The first block of a chain has parent_id 0 and is matched on its exact 
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import errno
@@ -36,9 +37,11 @@ import itertools
 import logging
 import os
 import stat
+import sys
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -224,10 +227,18 @@ class PersistentStore:
         except BaseException:
             self._release_lock()
             raise
+        self._exit_hook = None
         if self.writable:
             # Ready before the first commit: the threads, and the staging buffers a segment
             # cycles through (allocating and zeroing them is a once-per-store cost).
             self._sealer.start()
+            # A writer nobody closed is closed at exit, while threads still run: its queue is
+            # committed and its seals finish before the interpreter finalizes (a seal still
+            # running then would return into a finalizing interpreter: SIGABRT). Registered
+            # after the caller's own hooks that may still commit (atexit runs them first).
+            ref = weakref.ref(self)
+            self._exit_hook = lambda: (st := ref()) is not None and st._close_at_exit()
+            atexit.register(self._exit_hook)
             # One allocation, sliced: from 2 MiB on it is backed by huge pages
             # (io.AlignedBuffer), so each chunk write is one disk request.
             W = _writer.WRITE_CHUNK
@@ -306,6 +317,11 @@ class PersistentStore:
         return self.ttl_s is not None and now_ns - r.atime_ns > self.ttl_s * 1e9
 
     # ---- lookups and reads --------------------------------------------------------------
+
+    @property
+    def engine(self) -> _io.IOEngine:
+        """The I/O engine this store reads and writes through (its counters, test faults)."""
+        return self._eng
 
     @property
     def writable(self) -> bool:
@@ -665,11 +681,25 @@ class PersistentStore:
             }
         return out
 
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at exit: say so, keep the process's own status
+            log.exception("closing the persistent store %s at exit failed", self.path)
+
     def close(self) -> None:
+        """Commits what is queued, waits for the commits in flight (their records are then
+        durable), stops the sealer and releases the writer lock. During interpreter
+        shutdown (a store dropped by the garbage collector after atexit) no thread runs
+        any more: what is queued is dropped unacknowledged, and close() only releases."""
         if self.closed:
             return
+        if self._exit_hook is not None:
+            atexit.unregister(self._exit_hook)
+            self._exit_hook = None
+        finalizing = sys.is_finalizing()
         with self._write_lock:
-            if self.writable:
+            if self.writable and not finalizing:
                 self.commit()  # what is queued, and waits for commits in flight
             self._journal.close(fsync=self.durability == "fsync")
             with self._lock:
@@ -681,7 +711,8 @@ class PersistentStore:
                     os.close(fd)
                 self._fd_graveyard.clear()
                 self._gds_files.clear()
-            self._sealer.stop()
+            if not finalizing:
+                self._sealer.stop()
             self._release_lock()
             self.closed = True
 

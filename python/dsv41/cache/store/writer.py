@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -403,8 +404,13 @@ class SerialWorker:
             self._thread.start()
 
     def submit(self, fn, *args) -> "_Job":
-        self.start()  # after a fork the child has none
         job = _Job()
+        if sys.is_finalizing():
+            # No thread runs again (nor starts) once the interpreter finalizes: the step
+            # runs here, rather than waiting for a thread that never takes it.
+            self._run_one(job, fn, args)
+            return job
+        self.start()  # after a fork the child has none
         self._q.put((job, fn, args))
         return job
 
@@ -413,12 +419,15 @@ class SerialWorker:
             item = self._q.get()
             if item is None:
                 return
-            job, fn, args = item
-            try:
-                fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to result()
-                job.error = e
-            job.done.set()
+            self._run_one(*item)
+
+    @staticmethod
+    def _run_one(job: "_Job", fn, args) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to result()
+            job.error = e
+        job.done.set()
 
     def stop(self) -> None:
         if self._thread is not None and self._thread.is_alive():
