@@ -124,3 +124,22 @@ def test_demo_with_a_bad_argument_exits_instead_of_hanging(tmp_path):
     """)
     assert p.returncode in (1, 2), _status(p)
 
+
+def test_an_engine_closes_its_cache_on_the_way_out(tmp_path):
+    """`with Engine(...)` closes the cache it was given on every way out, an error included:
+    the store's queued writes are committed and its writer lock released."""
+    from dsv41.cache import CacheConfig, PrefixCache
+    from dsv41.config import ModelConfig
+    from dsv41.engine import Engine, SamplingParams
+    from dsv41.model import Model
+
+    model = Model.synthetic(ModelConfig.preset("v41-tiny"), seed=0)
+    cc = CacheConfig(block_tokens=B, device="cpu", gpu_capacity_bytes=8 << 20, swa_capacity_bytes=0,
+                     store_dir=str(tmp_path / "s"), store_durability="none")
+    with pytest.raises(ValueError, match="bad"):
+        with Engine(model, cache=PrefixCache.for_model(model, cc)) as eng:
+            eng.generate([list(range(3 * B))], SamplingParams(max_new_tokens=1))
+            raise ValueError("bad")
+    assert eng.cache.store.closed
+    with PrefixCache.for_model(model, cc) as cache:  # the lock is free again
+        assert len(cache.store) == 3
