@@ -51,7 +51,7 @@ def recover(store: PersistentStore) -> None:
     max_rid = 0
     for seg, hdr, rows in rec_rows:
         max_rid = max([max_rid] + [r.rid for r in rows])
-        store._ix.add_rows(rows, store.counts)
+        store._ix.add_rows(rows, store.counts, loader.same_bytes)
     entries = store._journal.open()
     store.counts["journal_torn_bytes"] = store._journal.torn_bytes
     deleted, store._next_rid, store._next_seq = apply_entries(entries, store._ix.recs, store._next_rid,
@@ -101,7 +101,7 @@ def refresh(store: PersistentStore) -> dict:
                     store._ix.remove_segment(old)
                     store._retire([old], unlink=False)
             store._segs[seg.uuid] = seg
-            store._ix.add_rows(rows, store.counts)
+            store._ix.add_rows(rows, store.counts, loader.same_bytes)
             added += 1
         deleted, store._next_rid, store._next_seq = apply_entries(store._journal.read_new(), store._ix.recs,
                                                                 store._next_rid, store._next_seq)
