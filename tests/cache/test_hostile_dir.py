@@ -349,7 +349,7 @@ def test_a_record_copied_by_compaction_is_one_record_not_a_collision(tmp_path):
         hashes, rids, _ = write_chain(st, drop, key())
         [old] = segments(tmp_path)
         saved = (tmp_path / old).read_bytes()
-        st._delete(rids[0], "explicit")
+        st.delete(rids[0], "explicit")
         assert st.gc()["segments_compacted"] == 1
         [new] = segments(tmp_path)
     (tmp_path / old).write_bytes(saved)

@@ -187,7 +187,7 @@ def test_gc_compaction_with_a_failed_read_removes_nothing(tmp_path, seqs):
     with open_store(tmp_path) as st:
         # Half of every segment dead: GC rewrites the live halves, reading them first.
         for s in seqs[::2]:
-            st._delete(st.walk(key(), BlockHasher(B).hash_blocks(s, key()))[0], "explicit")
+            st.delete(st.walk(key(), BlockHasher(B).hash_blocks(s, key()))[0], "explicit")
         st.engine.inject_fault("read", errno.EIO)
         rep = st.gc()
         assert rep["corrupt_dropped"] == 0

@@ -25,16 +25,17 @@ import numpy as np
 
 from .._ext import _C
 
-__all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c",
-           "crc32c_lead_rows", "crc32c_sw", "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",
-           "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE", "FAULT_SLOW_SEAL", "gds_error_string", "gds_probe", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME",
-           "SEAL_DIR_SYNC", "SEAL_DONE"]
+__all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "GdsFile", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c",
+           "crc32c_lead_rows", "crc32c_sw", "crc32c_combine", "crc32c_device", "check_heads", "io_info", "align_up",
+           "gds_error_string", "gds_probe", "FAULT_REFUSE_DIRECT_OPEN", "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE",
+           "FAULT_SLOW_SEAL", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME", "SEAL_DIR_SYNC", "SEAL_DONE"]
 
 _io = _C.io
 ALIGN: int = _io.ALIGN
 RECORD_ALIGN: int = _io.RECORD_ALIGN  # records are packed at this in a segment (dsv41/record.h)
 HUGE_BYTES: int = _io.HUGE_BYTES  # AlignedBuffers of this size or more are huge-page backed, in whole pages
 AlignedBuffer = _io.AlignedBuffer
+GdsFile = _io.GdsFile  # GdsFile(path): a cuFile handle; read(dst, size, file_offset, dev_offset)
 FAULT_REFUSE_DIRECT_OPEN: int = _io.FAULT_REFUSE_DIRECT_OPEN
 FAULT_REFUSE_DIRECT_IO: int = _io.FAULT_REFUSE_DIRECT_IO
 FAULT_NO_SPACE: int = _io.FAULT_NO_SPACE
@@ -205,6 +206,19 @@ def _point_at_wheel_cufile() -> None:
         for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libcufile.so.0"))):
             os.environ["DSV41_CUFILE_LIB"] = lib
             return
+
+
+def check_heads(heads, specs: list, tokens, key: bytes | None, payload_bytes: int, head_bytes: int) -> list[int]:
+    """The host half of a read into device memory: checks each record's head (header,
+    token ids, key; specs as the bindings describe) against what the index expects and
+    the data CRC computed on the device. Returns a record status code per spec."""
+    return _io.check_heads(heads, specs, tokens, key, payload_bytes, head_bytes)
+
+
+def crc32c_device(data, offsets, lengths):
+    """CRC-32C of ranges of a CUDA uint8 tensor (one thread block per range), on the
+    current stream; offsets and lengths are CUDA int64 tensors. Needs a CUDA build."""
+    return _io.crc32c_device(data, offsets, lengths)
 
 
 def gds_error_string(code: int) -> str:
