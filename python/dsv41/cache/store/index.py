@@ -80,9 +80,10 @@ class RecordIndex:
     """Record id -> StoredRecord, plus the two ways to walk between records. Both of those
     map a key to one id (an int) or, rarely, to a list of several: almost every record has
     one child, and an int is not a container the garbage collector tracks, where a list or
-    set per record was two more tracked objects each. A full collection walks every
-    tracked object (0.3-0.5 us each on the development VM): with a list and a set per
-    record, an index of 1M records made each one pause the process ~570 ms."""
+    set per record was two more tracked objects each. Invariant: one tracked object per
+    record (its StoredRecord), since a full collection walks every tracked object and
+    stalls every thread meanwhile (docs/cache.md, Known limits, has what that costs;
+    tests/cache/test_record_index.py holds the bound)."""
 
     def __init__(self):
         self.recs: dict[int, StoredRecord] = {}
