@@ -1,6 +1,6 @@
 """The tier protocol (cache/tiers): PrefixCache asks its tiers in order; an SSD hit reaches
 the pool's pages in one write from a reused staging buffer; lookup() and evict() ask every
-tier."""
+tier; each tier's put sees an insert's payloads and an adoption's pages alike."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv41.cache import CacheConfig, PrefixCache, TensorSnapshot
-from dsv41.cache.tiers import BlockTier, HostRows, SnapshotTier
+from dsv41.cache.tiers import BlockTier, HostRows, PoolRows, SnapshotTier
 from dsv41.cache.tiers.staging import StagingRows
 
 from .helpers import B, LAYOUT, TINY, WEIGHTS_ID, chain_payloads, rand_tokens
@@ -124,6 +124,27 @@ def test_evict_asks_each_tier(tmp_path):
     with pytest.raises(KeyError):
         cache.evict(["remote"])
     cache.close()
+
+
+def test_pool_rows_are_read_once_and_hold_their_pages_until_then():
+    cache = make()
+    p = np.arange(3 * B, dtype="<u4")
+    want = pays(cache, p)
+    m = cache.insert(p, want, "a")
+    rows = PoolRows(cache.pool, m.block_ids, 0)
+    rows.hold()                                       # a second user (a writer thread)
+    cache.release(m)
+    assert cache.pool.evict_all() == 0                # held by the rows, not evicted
+    got = rows.host()
+    assert torch.equal(got, want) and rows.host() is got
+    assert cache.pool.evict_all() == 3                # read: the pages are no longer held
+    rows.release()
+    assert torch.equal(rows.host(), want)             # the other holder still reads the copy
+    rows.release()
+    unread = PoolRows(cache.pool, cache.insert(p, want, "a").block_ids, 0)
+    unread.release()
+    with pytest.raises(RuntimeError, match="released"):
+        unread.host()
 
 
 def test_host_rows_copy_the_callers_tensor_once():

@@ -5,7 +5,7 @@
     global_pool  GlobalKVPool: paged, ref-counted global KV blocks on the GPU
     swa_pool     SwaSnapshotPool: exact SWA snapshots in host DRAM, with a TTL
     store        PersistentStore: verified, crash-safe global KV blocks on SSD (a package)
-    manager      PrefixCache: lookup across tiers, insert, snapshots; for_model/bind
+    manager      PrefixCache: lookup across tiers, insert, adopt, snapshots; for_model/bind
                  tie it to one model (config, KV options, weights identity)
     match        PrefixMatch: one request's cached prefix (referenced pool pages)
     tiers        the tier protocol (lookup, load, put, evict) and one adapter per tier:

@@ -6,6 +6,8 @@
     m.snapshot            # exact SWA state of the longest snapshotted prefix, or None
     ...prefill the rest...
     cache.insert(prompt_ids, payloads, namespace="tenant-a", match=m)  # new full blocks
+      or, when the prefill wrote its KV into private pool pages (GlobalKVPool.allocate):
+    m = cache.adopt(prompt_ids, page_ids, namespace="tenant-a", match=m)  # no copy
     cache.put_snapshot(prompt_ids, snapshot, namespace="tenant-a")     # end of prompt/output
     cache.release(m)
 
@@ -25,12 +27,12 @@ after the prefill that computed it; with N > 0 only once it has been matched N t
 a block is written only when the block before it is stored (or queued before it).
 
 SSD writes leave the request path: with store_write_behind_bytes = N > 0 (default 256 MiB)
-insert/match only queue the records and a background thread commits them; at most N
-payload bytes wait in the queue (beyond that the request commits itself: backpressure,
-never unbounded memory). A block is acknowledged
+insert/match only queue the records and a background thread commits them (adopt queues
+even the read of its pages); at most N payload bytes wait in the queue (beyond that the
+request commits itself: backpressure, never unbounded memory). A block is acknowledged
 (durable with "fsync") when flush() returns; close(), and a process that exits normally
 without closing, commit what is queued. A crash (SIGKILL) loses at most what was not yet
-acknowledged, never part of a record. With N = 0 insert/match commit their blocks
+acknowledged, never part of a record. With N = 0 insert/match/adopt commit their blocks
 before returning (outside the pool lock): what they wrote is acknowledged when they return.
 
 Model identity. Every key holds the model fingerprint (hashing.model_fingerprint): the KV
@@ -67,8 +69,8 @@ from .store import DEFAULT_SEGMENT_BYTES, DEFAULT_TTL_S, PersistentStore, StoreI
 from .swa_checkpoints import SwaCheckpointStore, default_checkpoint_tokens
 from .swa_pool import DEFAULT_TTL_S as SWA_TTL_S
 from .swa_pool import SwaSnapshotPool, TensorSnapshot
-from .tiers import (BlockTier, CheckpointTier, HostRows, PoolTier, RemoteBlockTier, RemoteSnapshotTier, SnapshotTier,
-                    SsdTier, SwaPoolTier, open_remote)
+from .tiers import (BlockTier, CheckpointTier, HostRows, PoolRows, PoolTier, RemoteBlockTier, RemoteSnapshotTier,
+                    SnapshotTier, SsdTier, SwaPoolTier, open_remote)
 
 __all__ = ["CacheConfig", "PrefixMatch", "PrefixCache", "StoreDisabledWarning"]
 
@@ -358,12 +360,12 @@ class PrefixCache:
         hashes = self.hasher.hash_blocks(arr[: limit // B * B], key)
         return PrefixMatch(key, namespace, arr, hashes, [], B), limit
 
-    # ---- inserting ----------------------------------------------------------------------
+    # ---- inserting and adopting ---------------------------------------------------------
 
     def _extend(self, tokens, namespace: str, extra: Sequence[tuple[str, str]], match: PrefixMatch | None,
                 what: str) -> tuple[PrefixMatch, np.ndarray, int, int, list[bytes]]:
         """(the match, tokens as an array, their full blocks nb, the first new block, the
-        chain hashes of blocks 0..nb-1) for insert; checks the match, changes nothing."""
+        chain hashes of blocks 0..nb-1) for insert/adopt; checks the match, changes nothing."""
         arr = as_token_array(tokens)
         B = self.block_tokens
         nb = arr.size // B
@@ -406,6 +408,46 @@ class PrefixCache:
         self.gpu.put(m, start, rows)
         for tier in reversed(self.block_tiers[1:]):   # the remote queue first, the SSD last
             tier.put(m, start, rows)
+        return m
+
+    @profiling.traced("cache.adopt", lambda self, tokens, page_ids, *a, **k: {
+        "tokens": len(tokens), "blocks": len(page_ids)})
+    def adopt(self, tokens, page_ids: Sequence[int], namespace: str = "",
+              extra: Sequence[tuple[str, str]] = (), match: PrefixMatch | None = None) -> PrefixMatch:
+        """insert() for a prefill that wrote its KV in place: the full blocks of `tokens`
+        past the match (blocks match.num_blocks .. len(tokens) // block_tokens - 1, all of
+        them without a match) are already in the private pool pages `page_ids`, one per
+        block in order (GlobalKVPool.allocate gave them, the caller holding one reference on
+        each). No payload is copied: each page is hashed and published in the pool, then
+        persisted to the SSD and queued for the remote tier exactly as insert() does, their
+        payloads read from the pool by the background writers (with write-behind off, the
+        SSD reads them before adopt returns).
+
+        Ownership. On success the caller's reference on every page moves into the match:
+        match.block_ids[start + i] is page_ids[i] itself, now a cached block; or, when an
+        identical block was cached already, that block, with a new reference the match
+        holds, while adopt released the caller's page (a private page is freed then). Read
+        match.block_ids[start:] for the page table from now on, never release page_ids
+        yourself, and release(match) drops them all. On any error (a page that is not a
+        private page of this pool holding a reference, repeated ids, a wrong count, tokens
+        that do not extend the match) adopt raises ValueError, nothing is published and the
+        caller still owns every page. Returns the match (a new one when none was given)."""
+        m, arr, nb, start, hashes = self._extend(tokens, namespace, extra, match, "adopt")
+        page_ids = list(page_ids)
+        if len(page_ids) != nb - start:
+            raise ValueError(f"adopt: {len(page_ids)} pages; expected {nb - start}, one for each of blocks "
+                             f"{start}..{nb - 1}")
+        before = m.hashes, m.tokens
+        m.hashes, m.tokens = hashes, arr
+        try:
+            self.gpu.adopt(m, page_ids)
+        except BaseException:
+            m.hashes, m.tokens = before
+            raise
+        if nb > start and len(self.block_tiers) > 1:
+            with PoolRows(self.pool, m.block_ids[start:nb], start) as rows:
+                for tier in reversed(self.block_tiers[1:]):
+                    tier.put(m, start, rows)
         return m
 
     # ---- snapshots, release, access -----------------------------------------------------
@@ -478,7 +520,7 @@ class PrefixCache:
     def flush(self) -> None:
         """Waits until every block queued for the SSD tier is committed: durable (with
         "fsync") or dropped. With store_write_behind_bytes > 0 (the default) this is when
-        they are acknowledged; with 0 insert/match already waited."""
+        they are acknowledged; with 0 insert/match/adopt already waited."""
         if self.ssd is not None:
             self.ssd.flush()
 

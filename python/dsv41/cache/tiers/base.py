@@ -30,7 +30,8 @@ A snapshot tier has no lookup(): a snapshot is read whole in one call, and a pro
 did not read it would save nothing.
 
 Each tier owns its state and reaches other objects only through their public methods.
-`BlockRows` is how a put gets payloads: the caller's tensor (insert).
+`BlockRows` is how a put gets payloads: the caller's tensor (insert), or pool pages read
+once, by whichever writer thread needs them first (adopt).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ import torch
 from ..match import PrefixMatch
 from ..swa_pool import TensorSnapshot
 
-__all__ = ["BlockTier", "SnapshotTier", "BlockRows", "HostRows"]
+__all__ = ["BlockTier", "SnapshotTier", "BlockRows", "HostRows", "PoolRows"]
 
 
 class BlockTier(ABC):
@@ -78,20 +79,31 @@ class SnapshotTier(ABC):
 
 
 class BlockRows(ABC):
-    """Payloads of blocks start .. start + n - 1, as a put takes them."""
+    """Payloads of blocks start .. start + n - 1, as a put takes them. A tier that keeps
+    them past its put() (a queue, a writer thread) calls hold() first and release() when
+    it is done with them."""
 
     start: int
     n: int
+    deferred: bool   # reading them is a device transfer, worth doing in a writer thread
 
     @abstractmethod
     def host(self, stable: bool = True) -> torch.Tensor:
         """The payloads in host memory, uint8 [n, block_bytes]; stable: a copy that the
-        caller of insert can no longer change."""
+        caller of insert/adopt can no longer change."""
+
+    def hold(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
 
 
 class HostRows(BlockRows):
     """The payload tensor a caller gave insert() (any device). The stable host copy is
     made once, on first need, and shared by every tier."""
+
+    deferred = False
 
     def __init__(self, payloads: torch.Tensor, start: int):
         self.payloads, self.start, self.n = payloads, start, payloads.shape[0]
@@ -109,3 +121,53 @@ class HostRows(BlockRows):
                 rows = rows.clone()
             self._stable = rows   # a copy: from the device, or the clone
             return rows
+
+
+class PoolRows(BlockRows):
+    """Payloads that live in pool pages (what adopt() publishes): the pages are read once,
+    into host memory, by whichever holder asks first, normally a background writer. Until
+    then this object holds one pool reference on each page, so a page can neither be
+    evicted nor reused before it is read; the references go right after the read, or when
+    the last holder releases without reading. The creator is the first holder."""
+
+    deferred = True
+
+    def __init__(self, pool, pages: Sequence[int], start: int):
+        self.pool, self.pages, self.start, self.n = pool, list(pages), start, len(pages)
+        self._lock = threading.Lock()
+        pool.acquire(self.pages)
+        self._pinned = True    # this object's page references are held
+        self._holders = 1
+        self._host: torch.Tensor | None = None
+
+    def host(self, stable: bool = True) -> torch.Tensor:
+        with self._lock:
+            if self._host is None:
+                if not self._pinned:
+                    raise RuntimeError("PoolRows.host() after the last holder released the pages")
+                self._host = self.pool.read(self.pages, device="cpu")
+                self.pool.release(self.pages)
+                self._pinned = False
+            return self._host
+
+    def hold(self) -> None:
+        with self._lock:
+            if self._holders <= 0:
+                raise RuntimeError("PoolRows.hold() after the last holder released it")
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders:
+                return
+            if self._pinned:
+                self.pool.release(self.pages)
+                self._pinned = False
+            self._host = None
+
+    def __enter__(self) -> "PoolRows":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,6 +1,6 @@
 """PoolTier: the GPU pool (GlobalKVPool) as the first block tier, and the one place pages
-enter a match: mapped on a hit, filled by a lower tier's load, or written from an insert's
-payloads."""
+enter a match: mapped on a hit, filled by a lower tier's load, written from an insert's
+payloads, or adopted from a sequence's private pages."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -42,7 +42,7 @@ class PoolTier(BlockTier):
         if rows is None:
             return
         if not isinstance(rows, HostRows):
-            raise TypeError("PoolTier.put takes an insert's payloads")
+            raise TypeError("PoolTier.put takes an insert's payloads; adopt() publishes pool pages")
         pool = self.pool
         nb = len(m.hashes)
         with pool.lock:
@@ -53,7 +53,7 @@ class PoolTier(BlockTier):
     def evict(self) -> int:
         return self.pool.evict_all()
 
-    # ---- what the tiers below need -------------------------------------------------------
+    # ---- what the tiers below and adopt() need ------------------------------------------
 
     def fill(self, m: PrefixMatch, rows: torch.Tensor, record_ids: Sequence[int] | None = None) -> int:
         """Extends m with blocks m.num_blocks.. whose verified payloads are `rows`: pages
@@ -88,3 +88,36 @@ class PoolTier(BlockTier):
                 m.block_ids.append(got)
                 parent = got
         return n
+
+    def adopt(self, m: PrefixMatch, page_ids: Sequence[int]) -> None:
+        """Publishes the private pages page_ids as blocks m.num_blocks.. of m's chain and
+        moves the caller's reference on each into m (see PrefixCache.adopt for the rule).
+        Every page is checked before any is published, under one hold of the pool lock: on
+        an error nothing has moved and the caller still owns its pages."""
+        pool, g = self.pool, m.num_blocks
+        pages = [int(p) for p in page_ids]
+        tok = m.token_rows(g + len(pages))
+        with pool.lock:
+            if len(set(pages)) != len(pages):
+                raise ValueError(f"adopt: page ids repeat: {pages}")
+            for p in pages:
+                try:
+                    if not 0 <= p < pool.num_blocks:
+                        raise KeyError(p)
+                    s = pool.slot(p)
+                except KeyError:
+                    raise ValueError(f"adopt: page {p} is not an allocated page of this pool") from None
+                if not s.private or s.refs < 1:
+                    raise ValueError(f"adopt: page {p} is not a private page holding the caller's reference "
+                                     "(GlobalKVPool.allocate gives those)")
+            parent = m.block_ids[-1] if g else None
+            if parent is not None:
+                ps = pool.slot(parent)
+                if ps.private or ps.hash is None:   # cannot happen while m references its chain
+                    raise ValueError(f"adopt: the match's last page {parent} is no longer an indexed block")
+            for i, page in enumerate(pages):
+                got = pool.publish(page, m.key, parent, m.hashes[g + i], tok[g + i], g + i)
+                if got != page:           # an identical block was cached: keep that one
+                    pool.release([page])  # the caller's reference; a private page is then freed
+                m.block_ids.append(got)
+                parent = got

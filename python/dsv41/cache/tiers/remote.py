@@ -66,13 +66,18 @@ class RemoteBlockTier(BlockTier):
 
     def put(self, m: PrefixMatch, start: int, rows: BlockRows | None) -> None:
         """Queues computed blocks start.. for the background writer (blocks a lookup served
-        came from a tier that has them already: not written)."""
+        came from a tier that has them already: not written). Adopted pages are read by the
+        writer when it gets to them, and only when the store lacks some of them."""
         r = self.remote
         if rows is None or r.blocks is None or start >= len(m.hashes):
             return
         tok = m.token_rows()
         root = self.hasher.root(m.key)
-        r.enqueue_blocks(m.key, m.namespace, m.hashes, tok, start, rows.host(stable=True), root)
+        if rows.deferred:
+            rows.hold()
+            r.enqueue_blocks(m.key, m.namespace, m.hashes, tok, start, rows.host, root, on_done=rows.release)
+        else:
+            r.enqueue_blocks(m.key, m.namespace, m.hashes, tok, start, rows.host(stable=True), root)
 
     def evict(self) -> int:
         """0: the remote stores evict by their own policy (Mooncake's LRU, Redis TTLs and

@@ -7,7 +7,7 @@ one pool write scatters them into new pages, which are published with their reco
 
 put: persists the blocks of a match's chain that the store lacks, in chain order, a whole
 prefix only (a block is written only when the block before it is stored or queued):
-  - computed blocks (insert) when admit_after_hits is 0;
+  - computed blocks (insert, adopt) when admit_after_hits is 0;
   - served blocks (rows None: after a lookup) once each has been matched admit_after_hits
     times (every one when 0).
 A block's record id is kept on its pool page (GlobalKVPool slot.record_id) as soon as the
@@ -16,10 +16,20 @@ record the store dropped since (capacity, TTL, repair, a failed read) is forgott
 and the block written again. Records are queued in the store; the BackgroundCommitter
 commits them (write-behind, store_write_behind_bytes), or the request does when that is 0
 or the queue is over its bound.
+
+Adopted pages (PoolRows) are not read on the request path: with write-behind the whole
+persist of an adopt is a job for the committer thread, which holds a pool reference on
+every page of the chain until it ran, reads the pages it writes, and queues their records.
+A request that meets blocks of a queued job does not write them again: a lookup leaves them
+to the job, and an insert that must extend them runs the queued jobs first. flush() and
+close() run them too.
 """
 from __future__ import annotations
 
+import collections
+import logging
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -37,9 +47,21 @@ from .write_behind import BackgroundCommitter
 
 __all__ = ["SsdTier"]
 
+log = logging.getLogger("dsv41.cache")
+
 
 def _admit_all(slot) -> bool:
     return True
+
+
+@dataclass
+class _Chain:
+    """What a queued persist job needs of a match, copied: the match itself changes (or is
+    released) after adopt() returns."""
+    key: bytes
+    tokens: np.ndarray
+    hashes: list[bytes]
+    block_ids: list[int]
 
 
 class SsdTier(BlockTier):
@@ -56,8 +78,12 @@ class SsdTier(BlockTier):
         bb = self.pool.block_bytes
         self.staging = StagingRows(bb, "cpu", pin=cuda)
         self.device_staging = StagingRows(bb, self.pool.device) if cuda else None
-        self._persist_lock = threading.Lock()   # one persist at a time: chains stay whole
-        self.committer = BackgroundCommitter(store) if write_behind_bytes > 0 else None
+        self._persist_lock = threading.RLock()   # one persist at a time: chains stay whole
+        self._jobs: collections.deque = collections.deque()
+        self._jobs_lock = threading.Lock()
+        self._pending: collections.Counter = collections.Counter()   # page -> queued jobs writing it
+        self._queued_bytes = 0
+        self.committer = BackgroundCommitter(store, self.run_jobs) if write_behind_bytes > 0 else None
 
     # ---- lookup and load ----------------------------------------------------------------
 
@@ -147,26 +173,79 @@ class SsdTier(BlockTier):
             return
         if self.admit_after_hits:
             return   # computed blocks wait for their hits
+        if rows.deferred and self.committer is not None and self._queue(m, start, rows):
+            return
         self._persist(m, len(m.hashes), rows, start, admit=_admit_all)
 
+    def _queue(self, m: PrefixMatch, start: int, rows: BlockRows) -> bool:
+        """Queues the persist of m's chain (blocks start.. in `rows`) for the committer
+        thread; False (nothing queued) when the store takes no writes now or the queue is
+        over its bound: then the request persists itself (backpressure)."""
+        store = self.store
+        if not store.writable or store.degraded:
+            return True   # nothing would be written
+        nb = len(m.hashes)
+        nbytes = (nb - start) * self.pool.block_bytes
+        with self._jobs_lock:
+            if store.pending_bytes + self._queued_bytes + nbytes > self.write_behind_bytes:
+                return False
+            c = _Chain(m.key, m.tokens[: nb * self.block_tokens].copy(), list(m.hashes[:nb]), list(m.block_ids[:nb]))
+            self.pool.acquire(c.block_ids)   # the job's own hold: each id stays this page until it ran
+            rows.hold()
+            self._jobs.append((c, start, rows, nbytes))
+            self._queued_bytes += nbytes
+            self._pending.update(c.block_ids[start:])
+        self.committer.kick()
+        return True
+
+    def run_jobs(self) -> None:
+        """Runs the queued persist jobs, oldest first (the committer thread does before each
+        commit; flush, close and a request that must extend their blocks do too)."""
+        with self._persist_lock:
+            while True:
+                with self._jobs_lock:
+                    if not self._jobs:
+                        return
+                    c, start, rows, nbytes = self._jobs.popleft()
+                try:
+                    self._persist(c, len(c.hashes), rows, start, admit=_admit_all, queued=True)
+                except Exception:  # noqa: BLE001 - one bad job must not stop the others
+                    log.exception("persisting adopted blocks to the SSD tier failed")
+                finally:
+                    with self._jobs_lock:
+                        self._queued_bytes -= nbytes
+                        self._pending.subtract(c.block_ids[start:])
+                        self._pending += collections.Counter()   # drops the zero counts
+                    rows.release()
+                    self.pool.release(c.block_ids)
+
     @profiling.traced("cache.ssd_write", lambda self, m, upto, *a, **k: {"blocks": upto})
-    def _persist(self, c: PrefixMatch, upto: int, new_rows: BlockRows | None, new_start: int,
-                 admit: Callable) -> None:
-        """Writes blocks [0, upto) of match c's chain that the store lacks, in order, while
-        admit(slot) allows (slot is None for blocks the GPU pool could not hold). new_rows
-        holds blocks new_start.. ; older ones are read from the pool."""
+    def _persist(self, c, upto: int, new_rows: BlockRows | None, new_start: int, admit: Callable,
+                 queued: bool = False) -> None:
+        """Writes blocks [0, upto) of chain c (a PrefixMatch, or a queued job's _Chain) that
+        the store lacks, in order, while admit(slot) allows (slot is None for blocks the GPU
+        pool could not hold). new_rows holds blocks new_start.. ; older ones are read from
+        the pool. queued: a job on the committer thread, which commits after its jobs."""
         store, pool = self.store, self.pool
         if not store.writable or store.degraded:
             return
         B = self.block_tokens
         tok = c.tokens[: upto * B].reshape(upto, B)
         with self._persist_lock:
-            with pool.lock:
-                slots = [pool.slot(b) for b in c.block_ids[:upto]]
-                rids = self._stored_records(slots) + [None] * (upto - len(slots))
-            first = next((j for j, r in enumerate(rids) if r is None), upto)
-            if first == upto:
-                return
+            while True:
+                with pool.lock:
+                    slots = [pool.slot(b) for b in c.block_ids[:upto]]
+                    rids = self._stored_records(slots) + [None] * (upto - len(slots))
+                first = next((j for j, r in enumerate(rids) if r is None), upto)
+                if first == upto:
+                    return
+                if queued or not self._pending_in(c.block_ids[first:upto]):
+                    break
+                # Blocks a queued job will write: a lookup leaves them to it (no record is
+                # written twice); new blocks must link to their records, so run the jobs.
+                if new_rows is None:
+                    return
+                self.run_jobs()
             parent = rids[first - 1] if first else 0
             # Blocks the store holds already (this pool just did not know): link, don't rewrite.
             found = self._find_stored(c, tok, first, upto, parent)
@@ -221,6 +300,8 @@ class SsdTier(BlockTier):
                 for j, rid in puts:
                     if j < len(slots):
                         slots[j].record_id = rid
+            if queued:
+                return
             if self.committer is not None and store.pending_bytes <= self.write_behind_bytes:
                 self.committer.kick()
                 return
@@ -229,6 +310,10 @@ class SsdTier(BlockTier):
             for j, rid in puts:  # dropped (disk full): forget the ids now, not at the next use
                 if j < len(slots) and slots[j].record_id == rid and not store.holds(rid):
                     slots[j].record_id = None
+
+    def _pending_in(self, pages) -> bool:
+        with self._jobs_lock:
+            return bool(self._pending) and any(p in self._pending for p in pages)
 
     # ---- evict, flush, close ------------------------------------------------------------
 
@@ -241,15 +326,17 @@ class SsdTier(BlockTier):
         return report["expired"] + report["evicted"]
 
     def flush(self) -> None:
-        """Commits: every block queued so far is acknowledged (durable with "fsync") or
-        dropped when this returns."""
+        """Runs the queued jobs and commits: every block queued so far is acknowledged
+        (durable with "fsync") or dropped when this returns."""
+        self.run_jobs()
         if self.store.writable:
             self.store.commit()
 
     def close(self) -> None:
-        """Stops the committer, then closes the store (which commits what is queued)."""
+        """Stops the committer, runs what it left, then closes the store (which commits)."""
         if self.committer is not None:
             self.committer.stop()
+        self.run_jobs()
         self.store.close()
 
     def stats(self) -> dict:

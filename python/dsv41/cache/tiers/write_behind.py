@@ -5,6 +5,7 @@ import atexit
 import logging
 import threading
 import weakref
+from typing import Callable
 
 from ..store import PersistentStore
 
@@ -16,10 +17,13 @@ log = logging.getLogger("dsv41.cache")
 class BackgroundCommitter:
     """One thread that commits what requests queued in the store, so SSD writes leave the
     request path. kick() after queueing; commits are serialized by the store's write lock,
-    so flush() (a commit from the caller's thread) waits for one in flight."""
+    so flush() (a commit from the caller's thread) waits for one in flight. Before each
+    commit it runs `before_commit` (the SSD tier's queued persist jobs: adopted pages it
+    reads from the pool and queues as records)."""
 
-    def __init__(self, store: PersistentStore):
+    def __init__(self, store: PersistentStore, before_commit: Callable[[], None] = lambda: None):
         self.store = store
+        self.before_commit = before_commit
         self._wake = threading.Event()
         self._stopping = False
         self._last = None  # the ticket of the last commit this thread started
@@ -40,6 +44,7 @@ class BackgroundCommitter:
             if self._stopping:
                 return  # the store's close() commits what is left
             try:
+                self.before_commit()
                 # Sealing (fsync, rename) goes on in the store's sealer thread while this
                 # thread waits for the next batch; flush() waits for it. Waiting for the
                 # previous ticket only after starting the next keeps that overlap.
@@ -51,14 +56,17 @@ class BackgroundCommitter:
                 log.exception("background commit of the SSD tier failed")
 
     def stop(self, flush: bool = False) -> None:
-        """Stops the thread; flush=True then commits what is still queued."""
+        """Stops the thread; flush=True then runs the queued jobs and commits what is
+        still queued."""
         self._stopping = True
         self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
         store = self.store
-        if flush and not store.closed and store.writable and store.pending_bytes:
+        if flush and not store.closed and store.writable:
             try:
-                store.commit()
+                self.before_commit()
+                if store.pending_bytes:
+                    store.commit()
             except Exception:  # noqa: BLE001 - at exit: say so, do not mask the exit status
                 log.exception("committing the SSD tier's queued writes at exit failed")
