@@ -3,8 +3,8 @@
 A match names a chain of full blocks (the cache key, the chain hash and token ids of each
 block) and holds one GlobalKVPool reference on each page in `block_ids`, block 0 onward,
 until PrefixCache.release(). Because a match references every page of its chain from the
-first, none of them can be evicted or orphaned while it lives: a page the pool evicts
-never has a referenced ancestor.
+first, none of them can be evicted or orphaned while it lives (the pool orphans a
+referenced page only when it evicts an unreferenced ancestor of it).
 """
 from __future__ import annotations
 
