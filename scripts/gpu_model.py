@@ -23,8 +23,9 @@ the same weights.
    Each path then times a --timing-prompt prefill and --timing-steps greedy decode steps
    (median ms per token, CUDA-synchronized) with the peak memory of the path (weights
    included).
-A new runtime path (an engine) is one more entry in PATHS: a function that builds a
-Session (prefill, decode) for the config.
+A new runtime path (the paged engine) is one more entry in PATHS: a function that builds
+the path for the config and returns a factory of sessions, each an object with
+prefill(tokens) and decode(token) returning host float32 logits, like Session.
 
 Exit code 0 when every path is ok, 1 otherwise; the JSON report is written either way.
 """
@@ -79,15 +80,18 @@ class Session:
         return self.model.decode_step(token, self.state).float().cpu()
 
 
-def _reference(cfg: ModelConfig, device: str) -> Model:
-    return Model.synthetic(cfg, SEED, device=device)
+def _reference(cfg: ModelConfig, device: str):
+    model = Model.synthetic(cfg, SEED, device=device)
+    return lambda: Session(model)
 
 
-def _bf16(cfg: ModelConfig, device: str) -> Model:
-    return Model.synthetic(cfg, SEED, device=device).to_production()
+def _bf16(cfg: ModelConfig, device: str):
+    model = Model.synthetic(cfg, SEED, device=device).to_production()
+    return lambda: Session(model)
 
 
-# name -> (build the model on a device, must its greedy tokens equal the CPU reference's)
+# name -> (build the path on a device, returning a factory of fresh Sessions; must its
+# greedy tokens equal the CPU reference's)
 PATHS = {"reference": (_reference, True), "bf16": (_bf16, False)}
 
 
@@ -130,19 +134,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timing(model: Model, device: str, prompt: torch.Tensor, steps: int) -> dict:
-    """A prefill of `prompt`, then `steps` greedy decode steps, each synchronized."""
-    session = Session(model)
+def timing(session: Session, device: str, prompt: torch.Tensor, steps: int) -> dict:
+    """A prefill of `prompt`, then `steps` greedy decode steps, each ending with its
+    logits on the host (as a sampler would read them) and the device synchronized."""
     _sync(device)
     t0 = time.perf_counter()
-    logits = model.prefill(prompt, session.state)
+    logits = session.prefill(prompt)
     _sync(device)
     prefill_s = time.perf_counter() - t0
     step_s = []
     for _ in range(steps):
         token = int(logits.argmax())
         t0 = time.perf_counter()
-        logits = model.decode_step(token, session.state)
+        logits = session.decode(token)
         _sync(device)
         step_s.append(time.perf_counter() - t0)
     return {"prompt_tokens": int(prompt.numel()), "prefill_s": prefill_s,
@@ -163,22 +167,22 @@ def run_path(name: str, cfg: ModelConfig, device: str, prompt: torch.Tensor, cpu
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    model = build(cfg, device)
+    new_session = build(cfg, device)
     out = {"build_s": time.perf_counter() - t0}
     if cuda:
         out["weights_GB"] = _gb(torch.cuda.memory_allocated())
-    logits, _ = greedy(Session(model), prompt, args.steps, forced=cpu_tokens)
+    logits, _ = greedy(new_session(), prompt, args.steps, forced=cpu_tokens)
     out["finite"] = all(bool(torch.isfinite(x).all()) for x in logits)
     out["vs_cpu_reference"] = compare(cpu_logits, logits, args.tie_margin)
     if args.timing_steps and name in args.timing_paths.split(","):
         gen = torch.Generator().manual_seed(SEED + 1)
         long_prompt = torch.randint(0, cfg.vocab_size, (args.timing_prompt,), generator=gen)
-        out["timing"] = timing(model, device, long_prompt, args.timing_steps)
+        out["timing"] = timing(new_session(), device, long_prompt, args.timing_steps)
     if cuda:
         out["peak_GB"] = _gb(torch.cuda.max_memory_allocated())
     out["tokens_must_match"] = must_match
     out["ok"] = out["finite"] and (not must_match or out["vs_cpu_reference"]["unexcused_mismatches"] == 0)
-    del model
+    del new_session
     gc.collect()
     return out
 
@@ -212,7 +216,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(SEED)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen)
     t0 = time.perf_counter()
-    cpu_model = _reference(cfg, "cpu")
+    cpu_model = Model.synthetic(cfg, SEED, device="cpu")
     n_params = sum(p.numel() for p in cpu_model.parameters())
     cpu_logits, cpu_step_s = greedy(Session(cpu_model), prompt, args.steps)
     del cpu_model
