@@ -373,3 +373,32 @@ def test_too_few_compress_ratios_in_json():
     with pytest.raises(ConfigError, match=r"compress_ratios has 39 entries, fewer than "
                                           r"num_layers=40"):
         ModelConfig.from_dict(d)
+
+
+def test_config_package_has_no_import_circle():
+    """Every import between the config modules (module level, inside functions and under
+    TYPE_CHECKING alike) runs one way: values <- plan, json_io, presets <- model."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parents[1] / "python" / "dsv41" / "config"
+    names = {p.stem for p in pkg.glob("*.py") if p.stem != "__init__"}
+    edges = {}
+    for name in names:
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    deps.add(node.module.split(".")[0])
+                else:
+                    deps.update(a.name for a in node.names)
+        edges[name] = deps & names
+
+    def reaches(start, goal, seen=()):
+        return any(d == goal or (d not in seen and reaches(d, goal, seen + (d,)))
+                   for d in edges[start])
+
+    circles = sorted(n for n in names if reaches(n, n))
+    assert circles == [], {n: sorted(edges[n]) for n in circles}
+    assert edges["values"] == set() and "model" not in set().union(*edges.values())

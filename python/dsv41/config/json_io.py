@@ -16,12 +16,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .values import DEFAULT_BETA_FAST, DEFAULT_BETA_SLOW, ConfigError, as_int
-
-if TYPE_CHECKING:
-    from .model import ModelConfig
 
 __all__ = ["DEEPSEEK_MAX_SEQ_LEN", "from_dict", "to_hf_dict"]
 
@@ -82,7 +79,8 @@ for _name, _extra in (("num_hash_layers", ("n_hash_layers",)), ("hc_mult", ()),
     _KEYS[_name] = (_name,) + _extra
 
 
-def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+def to_hf_dict(cfg) -> dict[str, Any]:
+    """cfg: a ModelConfig (its fields are read, its class is not imported here)."""
     flat = cfg.to_dict()
     text: dict[str, Any] = {}
     for f in fields(cfg):
@@ -96,9 +94,9 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     return {"name": cfg.name, "text_config": text}
 
 
-def from_dict(cls, d: Mapping[str, Any], name: str | None = None) -> ModelConfig:
-    """Unknown keys are ignored; `compress_ratios` entries past num_layers (draft layers)
-    are dropped."""
+def from_dict(cls, d: Mapping[str, Any], name: str | None = None):
+    """A `cls` (ModelConfig) from any supported spelling. Unknown keys are ignored;
+    `compress_ratios` entries past num_layers (draft layers) are dropped."""
     src = dict(d)
     if isinstance(src.get("text_config"), Mapping):
         src.update(src.pop("text_config"))

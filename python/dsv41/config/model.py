@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..formats import layout
+from . import json_io
 from .plan import LayerPlan, build_plan, check_candidates, check_split
+from .presets import PRESET_FIELDS, preset_names
 from .values import (
     MAIN_KV_FORMATS,
     SCORING_FUNCS,
@@ -26,7 +28,7 @@ from .values import (
     normalise_rope_scaling,
 )
 
-__all__ = ["ModelConfig"]
+__all__ = ["PRESETS", "ModelConfig"]
 
 
 @dataclass(frozen=True)
@@ -286,12 +288,11 @@ class ModelConfig:
         """True when the layer's MoE routes by token id (V4's hash layers)."""
         return layer < self.num_hash_layers
 
-    # ---- JSON (spellings in json_io.py) -----------------------------------------------
+    # ---- JSON (the spellings and their mapping live in json_io.py) ---------------------
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face spelling: text model under `text_config`, dsv41 extras beside."""
-        from .json_io import to_hf_dict
-        return to_hf_dict(self)
+        return json_io.to_hf_dict(self)
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
@@ -305,15 +306,18 @@ class ModelConfig:
         """Read any supported spelling (docs/config.md): dsv41/HF V4.1 (nested
         `text_config` or top level), transformers' DeepseekV4Config, DeepSeek's flat
         inference config, or `to_dict()` output."""
-        from .json_io import from_dict
-        return from_dict(cls, d, name=name)
+        return json_io.from_dict(cls, d, name=name)
 
     # ---- presets ----------------------------------------------------------------------
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
-        from .presets import PRESETS, preset_names
         try:
             return PRESETS[name]
         except KeyError:
             raise ConfigError(f"unknown preset {name!r} (known: {preset_names()})") from None
+
+
+# The presets, built and validated once (their field values live in presets.py).
+PRESETS: dict[str, ModelConfig] = {name: ModelConfig(**fields)
+                                   for name, fields in PRESET_FIELDS.items()}
