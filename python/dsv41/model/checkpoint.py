@@ -33,6 +33,7 @@ from .weights import (
     dequantize_all,
     from_transformers,
     is_transformers_naming,
+    read_quantization,
 )
 from .weights_id import check_weights_id, record_weights_digest, recorded_weights_digest
 
@@ -157,8 +158,7 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
     try:
         if is_transformers_naming(tensors):
             tensors = from_transformers(tensors)
-        quant = raw.get("quantization_config") or raw.get("text_config", {}).get(
-            "quantization_config")
+        quant = read_quantization(raw)
         # The production path keeps FP8/FP4 weights as shipped (production.py).
         kept = take_quantized(tensors, quant) if precision != "reference" else {}
         tensors = dequantize_all(tensors, quant)
