@@ -29,6 +29,7 @@ class Gate(nn.Module):
         super().__init__()
         c = config
         self.topk, self.route_scale = c.num_experts_per_tok, c.routed_scaling_factor
+        self.n_experts = c.n_routed_experts
         self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size),
                                    requires_grad=False)
         if hashed:
@@ -36,6 +37,23 @@ class Gate(nn.Module):
                                                         dtype=torch.int64))
         else:
             self.bias = nn.Parameter(torch.empty(c.n_routed_experts), requires_grad=False)
+
+    def check_loaded(self, name: str, t: torch.Tensor) -> str | None:
+        """Why a checkpoint's integer tensor `name` of this gate cannot be used (None when
+        it can): tid2eid must hold expert ids in [0, n_routed_experts). Checked at load, so
+        a bad table fails there and not as an index error in the first forward."""
+        if name != "tid2eid":
+            return f"the gate has no integer tensor {name!r}"
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            return f"tid2eid must hold integer expert ids, got dtype {t.dtype}"
+        if t.numel():
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= self.n_experts:
+                bad = ((t < 0) | (t >= self.n_experts)).nonzero()[0].tolist()
+                return (f"tid2eid names expert {int(t[tuple(bad)])} (token {bad[0]}, slot "
+                        f"{bad[1]}); the layer has experts 0..{self.n_experts - 1} "
+                        f"(ids range over [{lo}, {hi}])")
+        return None
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
