@@ -24,7 +24,6 @@ from .values import (
                    DEFAULT_BETA_FAST,
                    DEFAULT_BETA_SLOW,
                    MAIN_KV_FORMATS,
-                   SUPPORTED_RATIOS,
                    ConfigError,
 )
 
@@ -40,7 +39,6 @@ __all__ = [
                    "PART_ENCODER",
                    "PART_LAYER",
                    "PRESETS",
-                   "SUPPORTED_RATIOS",
                    "ConfigError",
                    "LayerPlan",
                    "ModelConfig",
