@@ -302,7 +302,9 @@ class ModelConfig:
     # ---- JSON (the spellings and their mapping live in json_io.py) ---------------------
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The Hugging Face spelling: text model under `text_config`, dsv41 extras beside."""
+        """config.json's dict: every field at the top level under its Hugging Face key, and
+        transformers' own keys where transformers' DeepseekV4 builds this model
+        (json_io.py)."""
         return json_io.to_hf_dict(self)
 
     def to_json(self, path: str | Path) -> None:
