@@ -137,6 +137,22 @@ def _read_shard(directory: Path, fname: str, names: list[str]) -> dict[str, torc
                               f"{type(e).__name__}: {e}") from None
 
 
+def _tie_head(tensors: dict[str, torch.Tensor], raw: dict) -> None:
+    """With tie_word_embeddings (top level or in text_config) the head is the embedding:
+    transformers then saves no head.weight. dsv41 keeps its own copy of it (the same values;
+    save_pretrained writes both, untied, which reads back to the same model)."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    if not (raw.get("tie_word_embeddings") or text.get("tie_word_embeddings")):
+        return
+    if "embed.weight" not in tensors:
+        return                      # reported as missing with the other tensors
+    embed = tensors["embed.weight"]
+    head = tensors.setdefault("head.weight", embed)
+    if head is not embed and not torch.equal(head.to(embed.dtype), embed):
+        raise CheckpointError("tie_word_embeddings is set, but the checkpoint's head.weight "
+                              "differs from embed.weight")
+
+
 def _check_tensor(model, name: str, t: torch.Tensor, want: torch.Tensor) -> None:
     """A checkpoint tensor against the parameter or buffer it fills: shape, dtype kind and,
     for integer (index-like) tensors, the owning module's range rule (`check_loaded`)."""
@@ -210,6 +226,7 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
         tensors = dequantize_all(tensors, quant)
     except WeightError as exc:
         raise CheckpointError(f"{directory}: {exc}") from None
+    _tie_head(tensors, raw)
     missing = set(expected) - set(tensors) - {f"{name}.weight" for name in kept}
     extra = set(tensors) - set(expected)
     if missing or extra:
