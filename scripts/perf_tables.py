@@ -279,6 +279,26 @@ def serve_table() -> str:
                    "TTFT median on / off", "TTFT p99 on / off", "throughput on / off"], rows)
 
 
+def tiers_table() -> str:
+    rows = []
+    for p in sorted(RESULTS.glob("bench_tiers_cpu_*.json")):
+        d = _load(p.name)
+        adopt = {r["tokens"]: r for r in d.get("adopt", [])}
+        for r in d.get("promote", []):
+            a = adopt.get(r["tokens"], {})
+            rows.append([f"`{p.name}`", _args(d.get("command"), "bench_tiers.py"), _date(d), d.get("commit") or "none",
+                         f"{d.get('cpus', '-')} cores, load {_load_avg(d)}", f"{r['tokens'] // 1024}K",
+                         f"{r['reuse_ms']:.1f} / {r['per_call_ms']:.1f} / {r['floor_ms']:.1f}",
+                         _f(r["per_call_over_reuse"]),
+                         f"{a['adopt_ms']:.1f} / {a['insert_ms']:.1f}" if a else "-",
+                         _f(a.get("adopt_over_insert")),
+                         f"{a['adopt_flush_ms']:.0f} / {a['insert_flush_ms']:.0f}" if a else "-"])
+    return _table(["file", "command (`bench/bench_tiers.py ...`)", "date", "commit", "machine", "prefix",
+                   "promotion ms: reused staging / staging per call / store.load alone",
+                   "per call / reused", "adopt / insert ms (request path)", "adopt / insert",
+                   "flush after adopt / insert ms"], rows)
+
+
 def formats_table() -> str:
     rows = []
     for p in sorted(RESULTS.glob("kv-formats-cpu-*.json")):
@@ -349,6 +369,7 @@ def tables() -> dict[str, str]:
     return {"store": store_table(), "remote": remote_table(), "remote-resume": resume_table(),
             "replay-throughput": thr, "replay-ttft": ttft, "model": model_table(),
             "transformers": transformers_table(), "v4-scheme": v4_scheme_table(), "serve": serve_table(),
+            "tiers": tiers_table(),
             "kv-formats": formats_table(), "codecs": codecs_table(), "micro": micro_table(), "gpu": gpu_table()}
 
 
