@@ -95,10 +95,12 @@ def test_sigterm_drains_then_every_acknowledged_block_survives_a_restart(tmp_pat
                                             extra_body=salt)
             assert r.choices[0].finish_reason == "length"
             acked.append(_prompt(i))
-        streams = [s.client.completions.create(model="v41-tiny", prompt=f"stream {i} " * 8, max_tokens=3000,
-                                               temperature=0, stream=True, extra_body=salt) for i in range(3)]
+        streamed = [f"{i} stream cut by the shutdown, " * 3 for i in range(4, 7)]
+        streams = [s.client.completions.create(model="v41-tiny", prompt=p, max_tokens=3000, temperature=0,
+                                               stream=True, extra_body=salt) for p in streamed]
         for st in streams:
             next(iter(st))                 # each stream is in the engine, decoding
+        acked += streamed                  # their prompts' blocks were queued for the SSD just now
         rc, took = s.stop(signal.SIGTERM, DRAIN_S + 60)
         ends = []
         for st in streams:                 # what each stream got after its first chunk
