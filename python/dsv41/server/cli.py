@@ -109,7 +109,7 @@ class Server:
         self.engine = Engine(model, cache=self.cache, replay=opts.replay, max_batch=opts.max_batch,
                              max_prefill_tokens=opts.max_prefill_tokens)
         # One forward before serving, on a throwaway engine without the cache, so that no
-        # client's first request pays torch's one-time set-up (seconds on a CPU).
+        # client's first request pays torch's one-time set-up.
         Engine(model).generate([[0, 1]], SamplingParams(max_new_tokens=2))
         self.tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
         self.model_name = name

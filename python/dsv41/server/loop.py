@@ -232,7 +232,6 @@ class EngineLoop:
                     fut.set_result(fn(self.engine))
                 except Exception as e:   # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
-
         return changed
 
     def _dispatch(self, ev: StreamEvent) -> None:
