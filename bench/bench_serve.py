@@ -13,7 +13,8 @@ Per run, in the style of vLLM's benchmark_serving: requests, duration, input/out
 request and token throughput, TTFT mean/median/p99, TPOT (time per output token after the
 first) and ITL (between streamed chunks); plus prompt tokens served from the cache
 (usage.prompt_tokens_details.cached_tokens) and the server's cache hit rate per tier and
-cache paths (from /metrics). Then on/off ratios.
+cache paths, the server's mean queue / prefill / decode time and its KV pools (from
+/metrics), and how the server stopped (SIGTERM: exit code and seconds). Then on/off ratios.
 
     PYTHONPATH=python python bench/bench_serve.py --sessions 8 --turns 4 --json out.json
 
@@ -84,13 +85,18 @@ class ServerProcess:
         import httpx
         return httpx.get(self.url + "/metrics", timeout=10).text
 
-    def stop(self) -> None:
+    def stop(self) -> dict:
+        """SIGTERM, as an operator stops it: {"exit_code", "seconds"} (a clean drain exits
+        0; the server is killed past 60 s and then the code is None)."""
+        t0 = time.monotonic()
         self.proc.terminate()
         try:
-            self.proc.wait(15)
+            rc = self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+            rc = None
+        return {"exit_code": rc, "seconds": time.monotonic() - t0}
 
 
 # ---- the load ---------------------------------------------------------------------------
@@ -201,6 +207,15 @@ def summarize(records, duration, metrics_text) -> dict:
     lookups = sum(_prom(metrics_text, "dsv41_cache_lookup_tokens_total").values())
     hits = {k.split('"')[1]: v for k, v in _prom(metrics_text, "dsv41_cache_hit_tokens_total").items()}
     paths = {k.split('"')[1]: int(v) for k, v in _prom(metrics_text, "dsv41_engine_requests_by_path_total").items()}
+    phases = {}        # the server's own view, from its histograms (vLLM's request_*_time_seconds)
+    for phase in ("queue", "prefill", "decode"):
+        total = sum(_prom(metrics_text, f"dsv41_engine_request_{phase}_seconds_sum").values())
+        count = sum(_prom(metrics_text, f"dsv41_engine_request_{phase}_seconds_count").values())
+        phases[phase] = 1e3 * total / count if count else None
+    pools = {}
+    for labels, v in _prom(metrics_text, "dsv41_engine_kv_pool").items():
+        kv = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        pools.setdefault(kv["pool"], {"unit": kv["unit"]})[kv["state"]] = v
     return {
         "successful_requests": len(records), "duration_s": duration,
         "total_input_tokens": inp, "total_output_tokens": out,
@@ -212,7 +227,7 @@ def summarize(records, duration, metrics_text) -> dict:
         "itl_ms": _stats_ms([x for r in records for x in r["itl_s"]]),
         "cached_prompt_tokens": cached, "prompt_cache_hit_rate": cached / inp if inp else 0.0,
         "cache_tier_hit_rate": {t: (v / lookups if lookups else 0.0) for t, v in hits.items()},
-        "paths": paths,
+        "paths": paths, "server_mean_ms": phases, "kv_pools_at_end": pools,
     }
 
 
@@ -242,6 +257,11 @@ def print_result(title: str, s: dict) -> None:
     for t, v in sorted(s["cache_tier_hit_rate"].items()):
         p(f"{'Hit rate, tier ' + t + ' (%):':<40}{v * 100:.1f}")
     p(f"{'Paths:':<40}{', '.join(f'{k} {v}' for k, v in sorted(s['paths'].items()))}")
+    p(f"{'Server: queue / prefill / decode':-^{w}}")
+    for phase, v in s["server_mean_ms"].items():
+        p(f"{'Mean ' + phase + ' (ms):':<40}{v:<10.2f}" if v is not None else f"{'Mean ' + phase + ' (ms):':<40}-")
+    if "shutdown" in s:
+        p(f"{'SIGTERM -> exit (code, s):':<40}{s['shutdown']['exit_code']}, {s['shutdown']['seconds']:.2f}")
     p("=" * w)
 
 
@@ -280,7 +300,8 @@ def main(argv=None) -> int:
             s["server_command"] = " ".join(srv.cmd[1:])
             s["requests"] = records
         finally:
-            srv.stop()
+            shutdown = srv.stop()
+        s["shutdown"] = shutdown
         result["runs"][name] = s
         print_result(f"dsv41 serve, prefix cache {'on' if cache else 'off'}", s)
     on, off = result["runs"]["cache_on"], result["runs"]["cache_off"]

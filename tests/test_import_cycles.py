@@ -23,15 +23,12 @@ PKG = Path(__file__).resolve().parents[1] / "python" / "dsv41"
 
 # The circles that exist outside the persistent store today, each removed by its owner's
 # issue. A circle that is gone (or changed) fails the test too: then update this list,
-# so that it always says exactly what is left. The store's own circle is gone (issue 32).
+# so that it always says exactly what is left. The store's own circle is gone (issue 32),
+# and so are config/'s and the cache manager's with the remote hook.
 ALLOWED = {
-    # issue 32 item 1 (config/): ModelConfig and its JSON, plan and preset helpers
-    frozenset({"dsv41.config.model", "dsv41.config.json_io", "dsv41.config.plan", "dsv41.config.presets"}),
     # issue 32 item 1 (model/): the production path and the layers it builds
     frozenset({"dsv41.model.production", "dsv41.model.layers", "dsv41.model.fp8_gemm",
                "dsv41.model.moe_grouped"}),
-    # issue 27 (the tier protocol of the paged runtime): the cache manager and the remote hook
-    frozenset({"dsv41.cache.manager", "dsv41.cache.remote.hook"}),
 }
 
 

@@ -63,3 +63,63 @@ def test_importing_the_cache_does_not_load_the_model():
         pytest.skip("the package root (dsv41/__init__.py) imports the model eagerly; the static "
                     "check above covers the cache's own imports")
     assert not after
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the cache modules it imports (at any depth, TYPE_CHECKING imports too)."""
+    mods = {}
+    for f in CACHE_DIR.rglob("*.py"):
+        parts = list(f.relative_to(CACHE_DIR.parent).with_suffix("").parts)
+        mods[".".join(["dsv41"] + (parts[:-1] if parts[-1] == "__init__" else parts))] = f
+    graph = {}
+    for name, f in mods.items():
+        out = set()
+        for imported in _imports(f):
+            while imported and imported not in mods:   # a name inside a module: the module
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                out.add(imported)
+        graph[name] = out
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_prefix_cache_and_its_tiers_are_on_no_import_cycle():
+    """PrefixCache reaches the tiers through cache/tiers (the protocol); no tier imports the
+    manager back (cache/remote/hook.py once did, for its type hints)."""
+    graph = _import_graph()
+    assert "dsv41.cache.tiers.ssd" in graph and "dsv41.cache.manager" in graph
+    mine = ("dsv41.cache.manager", "dsv41.cache.match", "dsv41.cache.tiers", "dsv41.cache.remote")
+    bad = [sorted(c) for c in _cycles(graph) if any(m.startswith(mine) for m in c)]
+    assert not bad, f"import cycles through the prefix cache or its tiers: {bad}"
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]

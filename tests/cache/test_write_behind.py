@@ -87,7 +87,7 @@ def test_the_queue_is_bounded(tmp_path):
 def test_the_default_writes_in_the_background(tmp_path):
     cache = make(tmp_path / "s")
     assert cache.cache_config.store_write_behind_bytes == DEFAULT_WRITE_BEHIND_BYTES > 0
-    assert cache._committer is not None
+    assert cache.ssd.committer is not None
     cache.close()
 
 

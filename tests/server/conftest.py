@@ -15,17 +15,21 @@ BLOCK = 16
 
 
 class LiveServer:
-    def __init__(self, opts: ServeOptions | None = None, **options):
-        import uvicorn
+    """`dsv41 serve`'s Server and HTTP stack (transport limits, drain) on a free port, its
+    uvicorn in a thread of this process. Keyword options are ServeOptions fields."""
 
+    def __init__(self, opts: ServeOptions | None = None, **options):
+        options.setdefault("drain_s", 2.0)
         opts = opts or ServeOptions(preset="v41-tiny", device="cpu", block_tokens=BLOCK, gpu_cache_mb=16,
                                     swa_cache_mb=64, **options)
         self.server = Server(opts)
+        self.api_key = opts.api_keys[0] if opts.api_keys else "unused"
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.uv = uvicorn.Server(uvicorn.Config(self.server.app, log_level="error", timeout_graceful_shutdown=2))
+        self.root = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.root + "/v1"
+        self.uv = self.server.http_server(log_level="error")
         self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -58,11 +62,22 @@ class LiveServer:
 
     def client(self, **kw):
         from openai import OpenAI
-        return OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60, **kw)
+        kw.setdefault("api_key", self.api_key)
+        return OpenAI(base_url=self.base_url, max_retries=0, timeout=60, **kw)
 
     def async_client(self, **kw):
         from openai import AsyncOpenAI
-        return AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60, **kw)
+        kw.setdefault("api_key", self.api_key)
+        return AsyncOpenAI(base_url=self.base_url, max_retries=0, timeout=60, **kw)
+
+    def metric(self, name: str) -> float:
+        """One sample of /metrics by its name with labels, e.g. 'x_total{reason="stop"}' (0
+        when absent)."""
+        import httpx
+        for line in httpx.get(self.root + "/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
 
     def reference(self, ids: list[int], max_tokens: int) -> str:
         """Greedy text of `ids` on the same model without a cache, alone in a fresh engine.

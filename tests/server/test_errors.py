@@ -53,6 +53,30 @@ def test_invalid_completion_400_names_the_field(live, kw, param):
         assert body["code"] == "context_length_exceeded" and "4096" in body["message"]
 
 
+@pytest.mark.parametrize("field, value, expected", [
+    ("stream", "yes", "a boolean"),
+    ("max_tokens", "5", "an integer"),
+    ("temperature", "0", "a number"),
+    ("n", True, "an integer"),
+    ("seed", 1.5, "an integer"),
+    ("logprobs", False, "an integer"),
+])
+def test_wrong_json_types_400_naming_the_field(live, field, value, expected):
+    """Strict types, as OpenAI: a value of the wrong JSON type is refused, never coerced."""
+    body = {"model": "v41-tiny", "prompt": "hello", "max_tokens": 2, field: value}
+    r = httpx.post(live.base_url + "/completions", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == field and err["type"] == "invalid_request_error", r.text
+    assert expected in err["message"] and field in err["message"]
+    chat = {"model": "v41-tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value}
+    if field != "logprobs":
+        r = httpx.post(live.base_url + "/chat/completions", json=chat)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+    r = httpx.post(live.base_url + "/completions", json={**body, "prompt": [1, True, 3], field: 1 if
+                                                         field != "stream" else False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
 def test_invalid_chat_and_bodies(live):
     c = live.client()
     with pytest.raises(openai.BadRequestError) as e:
@@ -87,6 +111,7 @@ def test_full_queue_503_then_recovers():
             with pytest.raises(openai.APIStatusError) as e:
                 await client.completions.create(model="v41-tiny", prompt="one too many", max_tokens=1)
             assert e.value.status_code == 503 and e.value.response.json()["error"]["code"] == "overloaded"
+            assert e.value.response.headers["retry-after"] == "1"
             with pytest.raises(openai.APIStatusError) as e:     # n counts: 2 choices do not fit either
                 await client.completions.create(model="v41-tiny", prompt="x", max_tokens=1, n=3)
             assert e.value.status_code == 503

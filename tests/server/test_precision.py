@@ -23,8 +23,9 @@ def test_bf16_server_serves_with_cache_hits():
         assert s.on_engine(lambda e: e.model.precision) == "bf16"
         c = s.client()
         prompt = "Production path prefix for the precision test. " * 4
-        first = c.completions.create(model="v41-tiny", prompt=prompt + "a", max_tokens=3, temperature=0)
-        second = c.completions.create(model="v41-tiny", prompt=prompt + "b", max_tokens=3, temperature=0)
+        kw = dict(model="v41-tiny", max_tokens=3, temperature=0, extra_body={"cache_salt": "bf16"})
+        first = c.completions.create(prompt=prompt + "a", **kw)
+        second = c.completions.create(prompt=prompt + "b", **kw)
         assert first.usage.completion_tokens == 3 and second.usage.completion_tokens == 3
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert second.usage.prompt_tokens_details.cached_tokens > 0

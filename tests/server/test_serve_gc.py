@@ -8,15 +8,13 @@ from dsv41.server import cli as serve_cli
 
 
 def test_serve_freezes_what_start_up_built(monkeypatch):
-    import uvicorn
-
     seen = {}
 
-    def fake_run(app, **kw):  # instead of serving: what the collector would walk now
+    def fake_serve(self, *args, **kw):  # instead of serving: what the collector would walk now
         seen["frozen"] = gc.get_freeze_count()
         seen["tracked"] = len(gc.get_objects())
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(serve_cli.Server, "serve", fake_serve)
     args = build_parser().parse_args(["serve", "--preset", "v41-tiny", "--no-prefix-cache"])
     gc.unfreeze()
     try:

@@ -5,8 +5,11 @@
     global_pool  GlobalKVPool: paged, ref-counted global KV blocks on the GPU
     swa_pool     SwaSnapshotPool: exact SWA snapshots in host DRAM, with a TTL
     store        PersistentStore: verified, crash-safe global KV blocks on SSD (a package)
-    manager      PrefixCache: lookup across tiers, insert, promotion, admission; for_model/bind
+    manager      PrefixCache: lookup across tiers, insert, adopt, snapshots; for_model/bind
                  tie it to one model (config, KV options, weights identity)
+    match        PrefixMatch: one request's cached prefix (referenced pool pages)
+    tiers        the tier protocol (lookup, load, put, evict) and one adapter per tier:
+                 promotion into pool pages, admission, write-behind
     metrics      counters and histograms (dict and Prometheus text)
     io           the C++ I/O engine (O_DIRECT pread/pwrite, CRC-32C, GDS)
     interop      pool blocks and SWA snapshots as CuPy arrays, no copy (CuPy optional)

@@ -1,4 +1,4 @@
-"""PrefixCache: the three tiers behind one interface a server can call.
+"""PrefixCache: the tiers of the prefix cache behind one interface a server can call.
 
     cache = PrefixCache.for_model(model, CacheConfig(store_dir="/ssd/dsv41"))
     m = cache.match(prompt_ids, namespace="tenant-a")    # verified, pinned, SSD hits promoted
@@ -6,13 +6,18 @@
     m.snapshot            # exact SWA state of the longest snapshotted prefix, or None
     ...prefill the rest...
     cache.insert(prompt_ids, payloads, namespace="tenant-a", match=m)  # new full blocks
+      or, when the prefill wrote its KV into private pool pages (GlobalKVPool.allocate):
+    m = cache.adopt(prompt_ids, page_ids, namespace="tenant-a", match=m)  # no copy
     cache.put_snapshot(prompt_ids, snapshot, namespace="tenant-a")     # end of prompt/output
     cache.release(m)
 
-Lookup order: the GPU pool first, then the SSD store continues the chain where the pool
-stops (its blocks are read, verified and copied into the pool: "promoted"), then the remote
-tier continues it (cache/remote: Mooncake, Redis; promoted the same way), then the SWA
-pool is asked for the longest snapshotted prefix, and the remote tier when it has none. A
+The tiers answer one protocol (cache/tiers/base.py: lookup, load, put, evict), and this
+class asks them in order. Block tiers: the GPU pool ("gpu"), the SSD store ("ssd"), the
+remote tier ("remote": Mooncake). A lookup maps the pool's pages, then each lower tier
+continues the chain where the ones above stop, its blocks read, verified and written into
+new pool pages ("promoted"). Snapshot tiers: the host SWA pool ("swa"), the remote tier
+("remote_swa": Redis), V4's SWA checkpoints on the SSD ("ssd_swa"); the first that holds
+a usable snapshot serves it, and one from a lower tier is promoted into the host pool. A
 snapshot is only returned when the global KV of all its full blocks is in the match, so
 resuming from it is exact. Writes to the remote tier are queued for a background writer.
 
@@ -22,13 +27,13 @@ after the prefill that computed it; with N > 0 only once it has been matched N t
 a block is written only when the block before it is stored (or queued before it).
 
 SSD writes leave the request path: with store_write_behind_bytes = N > 0 (default 256 MiB)
-insert/match only queue the records and a background thread commits them; at most N payload
-bytes wait in the queue (beyond that the request commits itself: backpressure, never
-unbounded memory). A block is acknowledged (durable with "fsync") when flush() returns;
-close(), and a process that exits normally without closing, commit what is queued. A crash
-(SIGKILL) loses at most what was not yet acknowledged, never part of a record. With N = 0
-insert/match commit their blocks before returning (outside the pool lock): what they wrote
-is acknowledged when they return.
+insert/match only queue the records and a background thread commits them (adopt queues
+even the read of its pages); at most N payload bytes wait in the queue (beyond that the
+request commits itself: backpressure, never unbounded memory). A block is acknowledged
+(durable with "fsync") when flush() returns; close(), and a process that exits normally
+without closing, commit what is queued. A crash (SIGKILL) loses at most what was not yet
+acknowledged, never part of a record. With N = 0 insert/match/adopt commit their blocks
+before returning (outside the pool lock): what they wrote is acknowledged when they return.
 
 Model identity. Every key holds the model fingerprint (hashing.model_fingerprint): the KV
 fingerprint (config + options that change stored bytes) and the weights' identity.
@@ -36,19 +41,17 @@ fingerprint (config + options that change stored bytes) and the weights' identit
 `weights_id`, so this package never imports the model) and `bind(model)`, which the Engine
 calls, refuses any other model. Without a weights identity the fingerprint cannot tell two
 models of one config apart, so such a cache keeps to its memory tiers (bound to the one
-model object it was built for) and never opens the persistent store; a store directory
-that cannot be opened for writing (read-only, not a directory) does the same. Each says
-so in one warning.
+model object it was built for) and never opens the persistent store nor the remote tier; a
+store directory that cannot be opened for writing (read-only, not a directory) does the
+same. Each says so in one warning.
 """
 from __future__ import annotations
 
-import atexit
 import logging
-import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -56,16 +59,18 @@ import torch
 
 from .. import profiling
 from ..config import ModelConfig
-from .errors import MissingParentError, PayloadError, StoreLockedError, StoreMismatchError
+from .errors import PayloadError, StoreLockedError, StoreMismatchError
 from .global_pool import GlobalKVPool
 from .hashing import BlockHasher, CacheKey, HashFn, as_token_array, model_fingerprint, sha256
 from .layout import DEFAULT_BLOCK_TOKENS, PAYLOAD_FORMAT_VERSION, BlockLayout
+from .match import PrefixMatch
 from .metrics import CacheMetrics
-from .remote import hook as _remote
 from .store import DEFAULT_SEGMENT_BYTES, DEFAULT_TTL_S, PersistentStore, StoreIdentity
-from .swa_pool import DEFAULT_TTL_S as SWA_TTL_S
 from .swa_checkpoints import SwaCheckpointStore, default_checkpoint_tokens
+from .swa_pool import DEFAULT_TTL_S as SWA_TTL_S
 from .swa_pool import SwaSnapshotPool, TensorSnapshot
+from .tiers import (BlockTier, CheckpointTier, HostRows, PoolRows, PoolTier, RemoteBlockTier, RemoteSnapshotTier,
+                    SnapshotTier, SsdTier, SwaPoolTier, open_remote)
 
 __all__ = ["CacheConfig", "PrefixMatch", "PrefixCache", "StoreDisabledWarning"]
 
@@ -124,45 +129,12 @@ class CacheConfig:
     swa_checkpoint_tokens: int | str | None = "auto"
 
 
-@dataclass
-class PrefixMatch:
-    """A verified cached prefix of one request, holding references on its GPU blocks until
-    PrefixCache.release()."""
-
-    key: bytes
-    namespace: str
-    tokens: np.ndarray            # the request's token ids, uint32
-    hashes: list[bytes]           # chain hashes of the request's full blocks
-    block_ids: list[int]          # referenced GlobalKVPool blocks, one per cached block
-    block_tokens: int
-    gpu_blocks: int = 0           # blocks found in the GPU pool
-    ssd_blocks: int = 0           # blocks loaded from the SSD tier into the pool
-    remote_blocks: int = 0        # blocks loaded from the remote tier into the pool
-    remote_snapshot: bool = False  # the snapshot came from the remote tier
-    checkpoint_snapshot: bool = False  # the snapshot came from an SWA checkpoint on the SSD
-    snapshot: TensorSnapshot | None = None
-    released: bool = field(default=False, repr=False)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens whose global KV the match holds (a multiple of block_tokens, hence of
-        every compress ratio)."""
-        return len(self.block_ids) * self.block_tokens
-
-    @property
-    def snapshot_tokens(self) -> int:
-        return self.snapshot.num_tokens if self.snapshot is not None else 0
-
-
 class PrefixCache:
     """The tiered prefix cache of one model. Build it with `PrefixCache.for_model(model,
     CacheConfig(...))`; the plain constructor serves tools and tests that have a config but
     no model: `weights_id` then names the weights (None: memory tiers only) and
     `kv_fingerprint` the config + options (default: the config's fingerprint alone)."""
+
 
     def __init__(self, config: ModelConfig, cache_config: CacheConfig | None = None, *,
                  weights_id: str | None = None, kv_fingerprint: str | None = None,
@@ -198,10 +170,6 @@ class PrefixCache:
             self.checkpoints = SwaCheckpointStore(
                 f"{cc.store_dir}/swa_checkpoints", cc.block_tokens, durability=cc.store_durability,
                 ttl_s=cc.store_ttl_s, capacity_bytes=cc.store_capacity_bytes, clock=clock)
-        self._persist_lock = threading.Lock()
-        self._committer = None
-        if self.store is not None and cc.store_write_behind_bytes > 0:
-            self._committer = _BackgroundCommitter(self.store)
         self.remote = None
         if cc.remote_blocks or cc.remote_snapshots:
             if self.weights_id is None:   # the same rule as the store: a shared tier needs the weights' identity
@@ -210,7 +178,25 @@ class PrefixCache:
                     "from another model with the same config. Memory tiers only. Fix: give the model a "
                     "weights_id (see the store warning's fix) before PrefixCache.for_model(model, ...)")
             else:
-                self.remote = _remote.open_tier(self)
+                self.remote = open_remote(cc, fingerprint=self.fingerprint, block_tokens=cc.block_tokens,
+                                          block_bytes=self.layout.block_bytes, metrics=self.metrics)
+        # The tiers, in lookup order (cache/tiers): each owns its object above.
+        self.gpu = PoolTier(self.pool)
+        self.ssd = None
+        if self.store is not None:
+            self.ssd = SsdTier(self.store, self.gpu, self.hasher, self.metrics, admit_after_hits=cc.admit_after_hits,
+                               write_behind_bytes=cc.store_write_behind_bytes)
+        blocks: list[BlockTier] = [self.gpu] + ([self.ssd] if self.ssd is not None else [])
+        snapshots: list[SnapshotTier] = [SwaPoolTier(self.swa)] if self.swa is not None else []
+        if self.remote is not None:
+            blocks.append(RemoteBlockTier(self.remote, self.gpu, self.hasher, self.metrics))
+            snapshots.append(RemoteSnapshotTier(self.remote, self.hasher))
+        self._checkpoint_tier = None
+        if self.checkpoints is not None:
+            self._checkpoint_tier = CheckpointTier(self.checkpoints, self.hasher)
+            snapshots.append(self._checkpoint_tier)
+        self.block_tiers: tuple[BlockTier, ...] = tuple(blocks)
+        self.snapshot_tiers: tuple[SnapshotTier, ...] = tuple(snapshots)
 
     def _checkpoint_cadence(self, cc: CacheConfig, config: ModelConfig) -> int | None:
         n = cc.swa_checkpoint_tokens
@@ -289,6 +275,14 @@ class PrefixCache:
     def key(self, namespace: str = "", extra: Sequence[tuple[str, str]] = ()) -> bytes:
         return CacheKey(namespace, self.fingerprint, PAYLOAD_FORMAT_VERSION, tuple(extra)).encode()
 
+    def tier(self, name: str) -> BlockTier | SnapshotTier:
+        """The tier of that name ("gpu", "ssd", "remote", "swa", "remote_swa", "ssd_swa")."""
+        for t in self.block_tiers + self.snapshot_tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"this cache has no {name!r} tier (it has "
+                       f"{[t.name for t in self.block_tiers + self.snapshot_tiers]})")
+
     # ---- lookup -------------------------------------------------------------------------
 
     @profiling.traced("cache.lookup",
@@ -298,39 +292,38 @@ class PrefixCache:
         """The longest verified cached prefix of `tokens` (at most max_tokens tokens; pass
         len(tokens) - 1 when the last token must still run for its logits)."""
         t0 = time.perf_counter()
-        arr, limit, key, hashes, tok = self._blocks(tokens, namespace, extra, max_tokens)
-        B, nb = self.block_tokens, len(hashes)
-        pool = self.pool
-        with pool.lock:
-            bids = pool.match(key, hashes, tok)
-            pool.acquire(bids)
-            for b in bids:
-                pool.slot(b).hits += 1
-        m = PrefixMatch(key, namespace, arr, hashes, bids, B, gpu_blocks=len(bids))
-        if self.store is not None and len(bids) < nb:
-            m.ssd_blocks = self._promote(m, tok)
-        if self.remote is not None and m.num_blocks < nb:
-            m.remote_blocks = _remote.promote_blocks(self, m, tok)
-        if self.swa is not None:
-            snap = self.swa.get(key, arr, hashes, max_tokens=limit)
-            if snap is not None and snap.num_tokens // B <= m.num_blocks:
-                m.snapshot = snap
-        if self.remote is not None and m.snapshot is None:
-            _remote.find_snapshot(self, m, arr, limit)
-        if self.checkpoints is not None and m.snapshot is None:
-            self._find_checkpoint(m, arr, limit)
-        local_swa = 0 if (m.remote_snapshot or m.checkpoint_snapshot) else m.snapshot_tokens
-        hits = {"gpu": m.gpu_blocks * B, "ssd": m.ssd_blocks * B, "swa": local_swa}
+        m, limit = self._probe(tokens, namespace, extra, max_tokens)
+        B, nb = self.block_tokens, len(m.hashes)
+        loaded: dict[str, int] = {}
+        for tier in self.block_tiers:
+            if m.num_blocks == nb:
+                break
+            loaded[tier.name] = tier.load(m)
+        m.gpu_blocks, m.ssd_blocks, m.remote_blocks = (loaded.get(n, 0) for n in ("gpu", "ssd", "remote"))
+        served_by = None
+        for tier in self.snapshot_tiers:
+            snap = tier.load(m, limit)
+            if snap is None:
+                continue
+            m.snapshot, served_by = snap, tier.name
+            m.remote_snapshot, m.checkpoint_snapshot = served_by == "remote_swa", served_by == "ssd_swa"
+            host = self.snapshot_tiers[0]
+            if tier is not host and host.name == "swa":
+                # promoted: the session's next turn finds it in host memory
+                n = snap.num_tokens
+                host.put(m.key, m.namespace, m.tokens[:n], snap, m.hashes[: n // B])
+            break
+        swa = {t: (m.snapshot_tokens if served_by == t else 0) for t in ("swa", "ssd_swa", "remote_swa")}
+        hits = {"gpu": m.gpu_blocks * B, "ssd": m.ssd_blocks * B, "swa": swa["swa"]}
         if self.checkpoints is not None:
-            hits["ssd_swa"] = m.snapshot_tokens if m.checkpoint_snapshot else 0
+            hits["ssd_swa"] = swa["ssd_swa"]
         if self.remote is not None:
-            hits.update(remote=m.remote_blocks * B, remote_swa=m.snapshot_tokens if m.remote_snapshot else 0)
-        self.metrics.record_lookup(arr.size, hits)
+            hits.update(remote=m.remote_blocks * B, remote_swa=swa["remote_swa"])
+        self.metrics.record_lookup(m.tokens.size, hits)
         self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
-        if self.store is not None and m.num_blocks:
-            n = self.cache_config.admit_after_hits
-            self._persist(m, m.num_blocks, None, 0,
-                          admit=lambda slot: slot is not None and slot.hits >= n)
+        if m.num_blocks:
+            for tier in self.block_tiers[1:]:   # admission on hits (the SSD's admit_after_hits)
+                tier.put(m, m.num_blocks, None)
         return m
 
     def peek(self, tokens, namespace: str = "", extra: Sequence[tuple[str, str]] = (),
@@ -338,84 +331,61 @@ class PrefixCache:
         """Tokens of the longest prefix of `tokens` the GPU pool holds right now, looked up
         without referencing, promoting or counting anything: a scheduler's estimate before
         it admits a request (match() then takes the references, and may find more on SSD)."""
-        _, _, key, hashes, tok = self._blocks(tokens, namespace, extra, max_tokens)
-        return len(self.pool.match(key, hashes, tok)) * self.block_tokens
+        m, _ = self._probe(tokens, namespace, extra, max_tokens)
+        return self.gpu.lookup(m, 0) * self.block_tokens
 
-    def _blocks(self, tokens, namespace: str, extra: Sequence[tuple[str, str]], max_tokens: int | None):
-        """(tokens as an array, the token limit, the key, the chained hashes and the token
-        rows of the full blocks within the limit): what match() and peek() look up."""
+    def lookup(self, tokens, namespace: str = "", extra: Sequence[tuple[str, str]] = (),
+               max_tokens: int | None = None) -> dict[str, int]:
+        """Tokens of the prefix of `tokens` each block tier holds by its own index, each
+        continuing where the tiers above stop: {"gpu": ..., "ssd": ..., "remote": ...} for
+        the tiers this cache has. Nothing is referenced, read, verified, promoted or counted
+        (the remote tier costs one exists call): an estimate of what match() would find,
+        which verifies every block."""
+        m, _ = self._probe(tokens, namespace, extra, max_tokens)
+        out, at = {}, 0
+        for tier in self.block_tiers:
+            n = tier.lookup(m, at) if at < len(m.hashes) else 0
+            out[tier.name] = n * self.block_tokens
+            at += n
+        return out
+
+    def _probe(self, tokens, namespace: str, extra: Sequence[tuple[str, str]],
+               max_tokens: int | None) -> tuple[PrefixMatch, int]:
+        """An empty match of the full blocks of `tokens` within the token limit (holding no
+        reference), and that limit: what match(), peek() and lookup() ask the tiers about."""
         arr = as_token_array(tokens)
         limit = arr.size if max_tokens is None else max(0, min(arr.size, int(max_tokens)))
         B = self.block_tokens
-        nb = limit // B
         key = self.key(namespace, extra)
-        hashes = self.hasher.hash_blocks(arr[: nb * B], key)
-        return arr, limit, key, hashes, arr[: nb * B].reshape(nb, B)
+        hashes = self.hasher.hash_blocks(arr[: limit // B * B], key)
+        return PrefixMatch(key, namespace, arr, hashes, [], B), limit
 
-    @profiling.traced("cache.ssd_promote",
-                      lambda self, m, tok: {"blocks": len(m.hashes) - m.num_blocks})
-    def _promote(self, m: PrefixMatch, tok: np.ndarray) -> int:
-        """Continues the match from the SSD tier; returns how many blocks it added."""
-        store, pool = self.store, self.pool
-        g = m.num_blocks
-        parent_rid = 0
-        if g:
-            with pool.lock:
-                slots = [pool.slot(b) for b in m.block_ids]
-                rids = self._stored_records(slots)
-            first = next((j for j, r in enumerate(rids) if r is None), g)
-            if first < g:
-                # GPU blocks that do not know their record (written by another process, or
-                # before a restart): find and verify them, or the chain cannot continue.
-                found = self._find_stored(m, tok, first, g, rids[first - 1] if first else 0)
-                with pool.lock:
-                    for j, rid in enumerate(found):
-                        slots[first + j].record_id = rid
-                if first + len(found) < g:
-                    return 0
-            parent_rid = slots[-1].record_id
-        rest = len(m.hashes) - g
-        if pool.device.type == "cuda" and store.gds_available:
-            # GPUDirect Storage: SSD -> device staging, checked there (see read_into).
-            staging = torch.empty((rest, self.layout.block_bytes), dtype=torch.uint8, device=pool.device)
-            rids = store.load(m.key, m.hashes[g:], tok[g:], staging, parent=parent_rid)
-        else:
-            staging = torch.empty((rest, self.layout.block_bytes), dtype=torch.uint8,
-                                  pin_memory=pool.device.type == "cuda")
-            rids = store.load(m.key, m.hashes[g:], tok[g:], staging.numpy(), parent=parent_rid)
-        if not rids:
-            return 0
-        with pool.lock:
-            new = pool.insert_many(m.key, m.block_ids[-1] if g else None, m.hashes[g: g + len(rids)],
-                                   tok[g: g + len(rids)], g, staging[: len(rids)], record_ids=rids)
-        m.block_ids.extend(new)
-        self.metrics.promotions.inc(len(new))
-        return len(new)
+    # ---- inserting and adopting ---------------------------------------------------------
 
-    def _stored_records(self, slots: list) -> list[int | None]:
-        """Record ids of the slots' blocks that the store still holds (call under the pool
-        lock). The store may have dropped a chain the pool still references (LRU eviction
-        under its byte cap, TTL expiry, verify --repair, a failed read): such a block is
-        treated as not stored, its stale id is forgotten, and _persist writes it again."""
-        out = []
-        for s in slots:
-            rid = s.record_id
-            if rid is not None and not self.store.holds(rid):
-                s.record_id = rid = None
-            out.append(rid)
-        return out
-
-    def _find_stored(self, m: PrefixMatch, tok: np.ndarray, first: int, upto: int, parent: int) -> list[int]:
-        """Record ids of the blocks first, first+1, ... (below record `parent`) that the store
-        already holds, read and verified; stops at the first one it lacks."""
-        chain = self.store.walk(m.key, m.hashes[first:upto], parent)
-        if not chain:
-            return []
-        status = self.store.read(chain, tok[first: first + len(chain)], m.key, None)
-        k = next((j for j, st in enumerate(status) if st != "ok"), len(status))
-        return chain[:k]
-
-    # ---- inserting ----------------------------------------------------------------------
+    def _extend(self, tokens, namespace: str, extra: Sequence[tuple[str, str]], match: PrefixMatch | None,
+                what: str) -> tuple[PrefixMatch, np.ndarray, int, int, list[bytes]]:
+        """(the match, tokens as an array, their full blocks nb, the first new block, the
+        chain hashes of blocks 0..nb-1) for insert/adopt; checks the match, changes nothing."""
+        arr = as_token_array(tokens)
+        B = self.block_tokens
+        nb = arr.size // B
+        key = self.key(namespace, extra)
+        if match is None:
+            match = PrefixMatch(key, namespace, arr[:0], [], [], B)
+        if match.released:
+            raise ValueError(f"{what}: the match was already released")
+        if match.key != key:
+            raise ValueError(f"{what}: the match belongs to another namespace or key")
+        start = match.num_blocks
+        if start > nb or not np.array_equal(match.tokens[: start * B], arr[: start * B]):
+            raise ValueError(f"{what}: tokens do not extend the match's cached prefix")
+        known = len(match.hashes) if np.array_equal(match.tokens[: len(match.hashes) * B],
+                                                    arr[: len(match.hashes) * B]) else start
+        hashes = list(match.hashes[:known])
+        if known < nb:
+            hashes += self.hasher.hash_blocks(arr[: nb * B], key, start=known,
+                                              parent=hashes[-1] if known else None)
+        return match, arr, nb, start, hashes[:nb]
 
     @profiling.traced("cache.insert", lambda self, tokens, payloads, *a, **k: {
         "tokens": len(tokens), "blocks": len(payloads)})
@@ -426,126 +396,59 @@ class PrefixCache:
         match.num_blocks .. len(tokens) // block_tokens - 1), or for all full blocks.
         Returns the match (a new one when none was given) now referencing every block the
         GPU pool could hold; release it when the sequence ends."""
-        arr = as_token_array(tokens)
-        B = self.block_tokens
-        nb = arr.size // B
-        key = self.key(namespace, extra)
-        if match is None:
-            match = PrefixMatch(key, namespace, arr[:0], [], [], B)
-        if match.released:
-            raise ValueError("insert: the match was already released")
-        if match.key != key:
-            raise ValueError("insert: the match belongs to another namespace or key")
-        start = match.num_blocks
-        if start > nb or not np.array_equal(match.tokens[: start * B], arr[: start * B]):
-            raise ValueError("insert: tokens do not extend the match's cached prefix")
+        m, arr, nb, start, hashes = self._extend(tokens, namespace, extra, match, "insert")
         payloads = self.layout.check_blocks(payloads, "payloads")
         if payloads.shape[0] == nb:
             payloads = payloads[start:]
         elif payloads.shape[0] != nb - start:
             raise PayloadError(f"insert: {payloads.shape[0]} payloads; expected {nb - start} (blocks "
                                f"{start}..{nb - 1}) or {nb} (every full block)")
-        known = len(match.hashes) if np.array_equal(match.tokens[: len(match.hashes) * B],
-                                                    arr[: len(match.hashes) * B]) else start
-        hashes = list(match.hashes[:known])
-        if known < nb:
-            hashes += self.hasher.hash_blocks(arr[: nb * B], key, start=known,
-                                              parent=hashes[-1] if known else None)
-        tok = arr[: nb * B].reshape(nb, B)
-        with self.pool.lock:
-            new = self.pool.insert_many(key, match.block_ids[-1] if start else None, hashes[start:nb],
-                                        tok[start:nb], start, payloads)
-        match.block_ids.extend(new)
-        match.hashes = hashes[:nb]
-        match.tokens = arr
-        if self.remote is not None:
-            self.remote.enqueue_blocks(key, namespace, hashes[:nb], tok, start, payloads, self.hasher.root(key))
-        if self.store is not None and self.cache_config.admit_after_hits == 0:
-            self._persist(match, nb, payloads, start, admit=lambda slot: True)
-        return match
+        m.hashes, m.tokens = hashes, arr
+        rows = HostRows(payloads, start)
+        self.gpu.put(m, start, rows)
+        for tier in reversed(self.block_tiers[1:]):   # the remote queue first, the SSD last
+            tier.put(m, start, rows)
+        return m
 
-    @profiling.traced("cache.ssd_write", lambda self, m, upto, *a, **k: {"blocks": upto})
-    def _persist(self, m: PrefixMatch, upto: int, new_payloads: torch.Tensor | None, new_start: int,
-                 admit: Callable) -> None:
-        """Writes blocks [0, upto) of the match's chain that the store lacks, in order,
-        while admit(slot) allows (slot is None for blocks the GPU pool could not hold).
-        new_payloads holds blocks new_start.. ; older ones are read from the pool."""
-        store, pool = self.store, self.pool
-        if not store.writable or store.degraded:
-            return
-        tok = m.tokens[: upto * self.block_tokens].reshape(upto, self.block_tokens)
-        with self._persist_lock:
-            with pool.lock:
-                slots = [pool.slot(b) for b in m.block_ids[:upto]]
-                rids = self._stored_records(slots) + [None] * (upto - len(slots))
-            first = next((j for j, r in enumerate(rids) if r is None), upto)
-            if first == upto:
-                return
-            parent = rids[first - 1] if first else 0
-            # Blocks the store holds already (this pool just did not know): link, don't rewrite.
-            found = self._find_stored(m, tok, first, upto, parent)
-            with pool.lock:
-                for j, rid in enumerate(found, start=first):
-                    if j < len(slots):
-                        slots[j].record_id = rid
-            if found:
-                first += len(found)
-                parent = found[-1]
-            todo = []
-            for j in range(first, upto):
-                if not admit(slots[j] if j < len(slots) else None):
-                    break
-                todo.append(j)
-            if not todo:
-                return
-            from_pool = [j for j in todo if new_payloads is None or j < new_start]
-            pool_rows = {}
-            if from_pool:
-                data = pool.read([m.block_ids[j] for j in from_pool], device="cpu")
-                pool_rows = {j: data[i] for i, j in enumerate(from_pool)}
-            host_new = None
-            if new_payloads is not None:
-                # The store reads payloads at commit time: a background commit must not see
-                # the caller's tensor change after insert() returned, so it gets a copy.
-                host_new = new_payloads.cpu()
-                if self._committer is not None and host_new.data_ptr() == new_payloads.data_ptr():
-                    host_new = host_new.clone()
-            # todo is a run of consecutive blocks (admission stops at the first refusal):
-            # one put_chain, whose first parent is the block before the run.
-            first, n = todo[0], len(todo)
-            if not pool_rows:  # all new: one slice of the caller's payloads
-                rows = host_new[first - new_start: first - new_start + n]
-            elif len(pool_rows) == n:  # all from the pool, read in block order
-                rows = data
-            else:
-                rows = [pool_rows[j] if j in pool_rows else host_new[j - new_start] for j in todo]
-            try:
-                rids = store.put_chain(key=m.key, parent=parent, first_index=first,
-                                       block_hashes=m.hashes[first: first + n],
-                                       parent_hash=m.hashes[first - 1] if first else self.hasher.root(m.key),
-                                       tokens=tok[first: first + n], payloads=rows)
-            except MissingParentError:
-                # The store dropped the parent since _stored_records looked (another
-                # thread's TTL expiry or failed read): this chain is not stored now; the
-                # next request that reaches it writes it again from its root.
-                rids = []
-            puts = list(zip(todo, rids))
-            # A block knows its record as soon as it is queued: the next request extends
-            # the chain from it instead of writing it again. A record the commit drops is
-            # then a stale id, forgotten by _stored_records.
-            with pool.lock:
-                for j, rid in puts:
-                    if j < len(slots):
-                        slots[j].record_id = rid
-            cap = self.cache_config.store_write_behind_bytes
-            if self._committer is not None and store.pending_bytes <= cap:
-                self._committer.kick()
-                return
-        store.commit()  # may be another thread's commit that takes these records: same result
-        with pool.lock:
-            for j, rid in puts:  # dropped (disk full): forget the ids now, not at the next use
-                if j < len(slots) and slots[j].record_id == rid and not store.holds(rid):
-                    slots[j].record_id = None
+    @profiling.traced("cache.adopt", lambda self, tokens, page_ids, *a, **k: {
+        "tokens": len(tokens), "blocks": len(page_ids)})
+    def adopt(self, tokens, page_ids: Sequence[int], namespace: str = "",
+              extra: Sequence[tuple[str, str]] = (), match: PrefixMatch | None = None) -> PrefixMatch:
+        """insert() for a prefill that wrote its KV in place: the full blocks of `tokens`
+        past the match (blocks match.num_blocks .. len(tokens) // block_tokens - 1, all of
+        them without a match) are already in the private pool pages `page_ids`, one per
+        block in order (GlobalKVPool.allocate gave them, the caller holding one reference on
+        each). No payload is copied: each page is hashed and published in the pool, then
+        persisted to the SSD and queued for the remote tier exactly as insert() does, their
+        payloads read from the pool by the background writers (with write-behind off, the
+        SSD reads them before adopt returns).
+
+        Ownership. On success the caller's reference on every page moves into the match:
+        match.block_ids[start + i] is page_ids[i] itself, now a cached block; or, when an
+        identical block was cached already, that block, with a new reference the match
+        holds, while adopt released the caller's page (a private page is freed then). Read
+        match.block_ids[start:] for the page table from now on, never release page_ids
+        yourself, and release(match) drops them all. On any error (a page that is not a
+        private page of this pool holding a reference, repeated ids, a wrong count, tokens
+        that do not extend the match) adopt raises ValueError, nothing is published and the
+        caller still owns every page. Returns the match (a new one when none was given)."""
+        m, arr, nb, start, hashes = self._extend(tokens, namespace, extra, match, "adopt")
+        page_ids = list(page_ids)
+        if len(page_ids) != nb - start:
+            raise ValueError(f"adopt: {len(page_ids)} pages; expected {nb - start}, one for each of blocks "
+                             f"{start}..{nb - 1}")
+        before = m.hashes, m.tokens
+        m.hashes, m.tokens = hashes, arr
+        try:
+            self.gpu.adopt(m, page_ids)
+        except BaseException:
+            m.hashes, m.tokens = before
+            raise
+        if nb > start and len(self.block_tiers) > 1:
+            with PoolRows(self.pool, m.block_ids[start:nb], start) as rows:
+                for tier in reversed(self.block_tiers[1:]):
+                    tier.put(m, start, rows)
+        return m
 
     # ---- snapshots, release, access -----------------------------------------------------
 
@@ -554,21 +457,18 @@ class PrefixCache:
     def put_snapshot(self, tokens, snapshot: TensorSnapshot, namespace: str = "",
                      extra: Sequence[tuple[str, str]] = (), hashes: Sequence[bytes] | None = None) -> bool:
         """Stores the SWA snapshot of the state after exactly `tokens` (end of prompt, end
-        of output). Returns False when there is no SWA tier or it does not fit."""
-        if self.remote is not None:
-            _remote.put_snapshot(self, tokens, snapshot, namespace, extra, hashes)
-        if self.swa is None:
-            return False
-        return self.swa.put(self.key(namespace, extra), tokens, snapshot, hashes)
-
-    def _find_checkpoint(self, m: PrefixMatch, arr: np.ndarray, limit: int) -> None:
-        snap = self.checkpoints.get(m.key, arr, m.hashes, self.hasher.root(m.key),
-                                    max_blocks=m.num_blocks, limit=limit)
-        if snap is None:
-            return
-        m.snapshot, m.checkpoint_snapshot = snap, True
-        if self.swa is not None:  # promoted: the session's next turn finds it in host memory
-            self.swa.put(m.key, arr[: snap.num_tokens], snap, m.hashes[: snap.num_tokens // self.block_tokens])
+        of output) in the host pool, and queues it for the remote tier. Returns False when
+        there is no SWA tier or it does not fit. (Checkpoints: put_checkpoint.)"""
+        key = self.key(namespace, extra)
+        arr = as_token_array(tokens)
+        stored = False
+        for tier in reversed(self.snapshot_tiers):   # the remote queue first
+            if tier is self._checkpoint_tier:
+                continue
+            ok = tier.put(key, namespace, arr, snapshot, hashes)
+            if tier.name == "swa":
+                stored = ok
+        return stored
 
     @profiling.traced("cache.put_checkpoint", lambda self, tokens, *a, **k: {"tokens": len(tokens)})
     def put_checkpoint(self, tokens, snapshot: TensorSnapshot, namespace: str = "",
@@ -576,13 +476,10 @@ class PrefixCache:
         """Writes the SWA checkpoint of the state after exactly `tokens` to the SSD (V4's
         SWA persistence; the engine calls it every checkpoint_tokens tokens and at the end
         of prompt and output). Returns the bytes written; 0 when checkpoints are off."""
-        if self.checkpoints is None:
+        if self._checkpoint_tier is None:
             return 0
         key = self.key(namespace, extra)
-        arr = as_token_array(tokens)[: snapshot.num_tokens]
-        nb = arr.size // self.block_tokens
-        hashes = self.hasher.hash_blocks(arr[: nb * self.block_tokens], key)
-        return self.checkpoints.put(key, arr, snapshot, hashes, self.hasher.root(key))
+        return self._checkpoint_tier.put(key, namespace, as_token_array(tokens), snapshot, None)
 
     def release(self, match: PrefixMatch) -> None:
         if match.released:
@@ -595,6 +492,14 @@ class PrefixCache:
         """Payloads of a match's blocks (or of block ids), uint8 [n, block_bytes]."""
         ids = match_or_ids.block_ids if isinstance(match_or_ids, PrefixMatch) else list(match_or_ids)
         return self.pool.read(ids, device)
+
+    def evict(self, tiers: Sequence[str] | None = None) -> dict[str, int]:
+        """Asks each named tier (default: every one) to drop what it may drop now:
+        unreferenced GPU pages, store records past the TTL or the byte cap, expired SWA
+        snapshots, checkpoints beyond the byte cap (the remote stores evict on their own).
+        Returns the entries each dropped."""
+        names = [t.name for t in self.block_tiers + self.snapshot_tiers] if tiers is None else list(tiers)
+        return {name: self.tier(name).evict() for name in names}
 
     def stats(self) -> dict:
         out = {"block_tokens": self.block_tokens, "block_bytes": self.layout.block_bytes,
@@ -615,73 +520,20 @@ class PrefixCache:
     def flush(self) -> None:
         """Waits until every block queued for the SSD tier is committed: durable (with
         "fsync") or dropped. With store_write_behind_bytes > 0 (the default) this is when
-        they are acknowledged; with 0 insert/match already waited."""
-        if self.store is not None and self.store.writable:
-            self.store.commit()
+        they are acknowledged; with 0 insert/match/adopt already waited."""
+        if self.ssd is not None:
+            self.ssd.flush()
 
     def close(self) -> None:
-        """Commits what is still queued for the SSD (acknowledging it), then stops the
-        background writers and closes the tiers."""
-        if self._committer is not None:
-            self._committer.stop()
+        """Stops the remote writer (after what it has queued), then commits what is still
+        queued for the SSD (acknowledging it), stops its writer and closes the store."""
         if self.remote is not None:
             self.remote.close()
-        if self.store is not None:
-            self.store.close()  # commits what is still queued
+        if self.ssd is not None:
+            self.ssd.close()
 
     def __enter__(self) -> "PrefixCache":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _BackgroundCommitter:
-    """One thread that commits what requests queued in the store, so SSD writes leave the
-    request path. kick() after queueing; commits are serialized by the store's write lock,
-    so flush() (a commit from the caller's thread) waits for one in flight."""
-
-    def __init__(self, store: PersistentStore):
-        self.store = store
-        self._wake = threading.Event()
-        self._stopping = False
-        self._last = None  # the ticket of the last commit this thread started
-        self._thread = threading.Thread(target=self._run, name="dsv41-cache-commit", daemon=True)
-        self._thread.start()
-        # At interpreter exit a cache nobody closed stops its thread and commits what is
-        # queued (a normal exit loses no queued write); a weak reference keeps it collectable.
-        ref = weakref.ref(self)
-        atexit.register(lambda: (c := ref()) is not None and c.stop(flush=True))
-
-    def kick(self) -> None:
-        self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stopping:
-                return  # the store's close() commits what is left
-            try:
-                # Sealing (fsync, rename) goes on in the store's sealer thread while this
-                # thread waits for the next batch; flush() waits for it. Waiting for the
-                # previous ticket only after starting the next keeps that overlap.
-                ticket = self.store.commit_async()
-                last, self._last = self._last, ticket
-                if last is not None:
-                    last.result()  # I/O errors degrade the tier inside; this is for bugs
-            except Exception:  # noqa: BLE001 - a background thread must not die silently
-                log.exception("background commit of the SSD tier failed")
-
-    def stop(self, flush: bool = False) -> None:
-        """Stops the thread; flush=True then commits what is still queued."""
-        self._stopping = True
-        self._wake.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-        store = self.store
-        if flush and not store.closed and store.writable and store.pending_bytes:
-            try:
-                store.commit()
-            except Exception:  # noqa: BLE001 - at exit: say so, do not mask the exit status
-                log.exception("committing the SSD tier's queued writes at exit failed")

@@ -205,14 +205,22 @@ class SwaCheckpointStore:
             out.append((st.st_mtime, st.st_size, p))
         return out
 
-    def _evict(self) -> None:
+    def _evict(self) -> int:
         files = sorted(self._files())
         total = sum(s for _, s, _ in files)
+        n = 0
         for _, size, p in files:
             if total <= self.capacity_bytes:
                 break
             self._drop(p, "evicted")
             total -= size
+            n += 1
+        return n
+
+    def trim(self) -> int:
+        """Drops the oldest files until the directory fits capacity_bytes (put does after
+        each write); returns how many. Expired checkpoints go when a lookup meets them."""
+        return self._evict() if self.capacity_bytes is not None else 0
 
     @property
     def bytes_on_disk(self) -> int:

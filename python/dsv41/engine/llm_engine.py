@@ -98,6 +98,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def request_counts(self) -> dict[str, int]:
+        """Unfinished requests by phase: {"waiting": not yet prefilled (or preempted),
+        "running": decoding}. For servers' gauges; the engine's internals stay its own."""
+        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancels an unfinished request: a waiting one just leaves the queue (it holds
         nothing), a running one drops its state and every cache reference it held; nothing

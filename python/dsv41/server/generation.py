@@ -5,7 +5,7 @@ pieces (detokenized, cut at stop strings), with logprobs, finish reasons and usa
     async for piece in gen.pieces():      # Piece(index, text, logprobs, finish_reason)
         ...
     gen.usage()      # {"prompt_tokens", "completion_tokens", "total_tokens",
-                     #  "prompt_tokens_details": {"cached_tokens"}}
+                     #  "prompt_tokens_details": {"cached_tokens"}}  (the last one optional)
     gen.cancel()     # in a finally: aborts whatever has not finished (client gone)
 
 Choice i * n + j is the j-th sample of prompt i (seed + j when a seed is given, so every
@@ -123,7 +123,7 @@ class Generation:
                 continue
             piece = c.feed(item)
             if c.finish_reason is not None and not item.finished:
-                self.loop.abort([rid])          # a stop string ended it here
+                self.loop.abort([rid], reason="stop")   # a stop string ended it here
             if piece is not None:
                 yield piece
 
@@ -136,11 +136,14 @@ class Generation:
         if todo:
             self.loop.abort(todo)
 
-    def usage(self) -> dict:
+    def usage(self, cached_tokens: bool = True) -> dict:
         """Prompt tokens count once per prompt (not per choice); cached tokens are the first
-        choice's of each prompt (the prompt tokens its prefill did not compute)."""
+        choice's of each prompt (the prompt tokens its prefill did not compute), reported
+        only when `cached_tokens` (the caller's own namespace: server/tenancy.py)."""
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.tokens) for c in self.choices)
-        cached = sum(self.choices[i * self.n].cached_tokens for i in range(len(self.prompts)))
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if cached_tokens:
+            cached = sum(self.choices[i * self.n].cached_tokens for i in range(len(self.prompts)))
+            out["prompt_tokens_details"] = {"cached_tokens": cached}
+        return out

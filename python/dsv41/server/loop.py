@@ -4,8 +4,9 @@
     sub = loop.submit([(ids, SamplingParams(...))], namespace="tenant-a")   # on the event loop
     rid, item = await sub.queue.get()      # a StreamEvent per token, or an exception
     loop.abort(sub.request_ids)            # client gone: the engine drops them between steps
+    loop.abort([rid], reason="stop")       # a stop string ended it (counted as a stop)
     n = await loop.call(lambda engine: ...)    # inspect the engine between steps
-    loop.close()
+    loop.drain(); loop.stop(); loop.close()    # shutdown: refuse new, fail in-flight, join
 
 Continuous batching: between two steps the thread takes every new request and every abort
 from its inbox, so requests join and leave the running batch at step boundaries. Only this
@@ -14,6 +15,11 @@ thread touches the engine (and through it the cache), so the engine needs no loc
 Bounded: at most max_pending engine requests (choices) are accepted and unfinished at a
 time; submit raises Overloaded beyond that (the server answers 503), so a burst can never
 grow memory without bound.
+
+Shutdown: drain() refuses new requests (ShuttingDown, a 503) while those in flight go on;
+stop() ends the thread after its current step and fails what is left with ShuttingDown;
+close() is stop() and a join. The engine's gauges (running, waiting) are refreshed after
+every step and after every batch of aborts, so an aborted last request leaves them at 0.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from dataclasses import dataclass, field
 from ..engine import Engine, SamplingParams, StreamEvent
 from .metrics import ServerMetrics
 
-__all__ = ["EngineLoop", "Submission", "Overloaded", "EngineFailed"]
+__all__ = ["EngineLoop", "Submission", "Overloaded", "EngineFailed", "ShuttingDown"]
 
 log = logging.getLogger("dsv41.server")
 
@@ -40,6 +46,11 @@ class Overloaded(Exception):
 
 class EngineFailed(RuntimeError):
     """The engine raised while running this request (or the loop shut down under it)."""
+
+
+class ShuttingDown(EngineFailed):
+    """The server is draining or stopping: a new request is refused, and one still in
+    flight when the drain ran out is failed with this."""
 
 
 @dataclass
@@ -73,6 +84,8 @@ class EngineLoop:
         self._ids = itertools.count()
         self._routes: dict[str, Submission] = {}   # loop thread only
         self._closing = False
+        self._draining = False
+        self._preemptions = 0                   # the engine's counter, as last read
         self._thread: threading.Thread | None = None
 
     # ---- any thread ---------------------------------------------------------------------
@@ -84,13 +97,31 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
+        """The thread runs and accepts requests (False once draining)."""
+        return self._thread is not None and self._thread.is_alive() and not (self._closing or self._draining)
+
+    @property
+    def running(self) -> bool:
+        """The thread runs and takes work (draining or not)."""
         return self._thread is not None and self._thread.is_alive() and not self._closing
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stops the thread after its current step; unfinished requests are aborted (their
-        clients get EngineFailed)."""
-        self._closing = True
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self) -> None:
+        """Refuses new requests from now on; those in flight go on."""
+        self._draining = True
+
+    def stop(self) -> None:
+        """Ends the thread after its current step, without waiting; unfinished requests are
+        aborted and their clients get ShuttingDown."""
+        self._draining = self._closing = True
         self._wake.set()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """stop(), then waits for the thread."""
+        self.stop()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -98,8 +129,11 @@ class EngineLoop:
 
     def submit(self, requests: list[tuple[list[int], SamplingParams]], namespace: str = "",
                prefix: str = "req") -> Submission:
-        """Enqueues engine requests (all or none); raises Overloaded when they do not fit."""
+        """Enqueues engine requests (all or none); raises Overloaded when they do not fit,
+        ShuttingDown once draining."""
         with self._lock:
+            if self._draining:
+                raise ShuttingDown("the server is shutting down")
             if self._pending + len(requests) > self.max_pending:
                 self.metrics.rejected.inc()
                 raise Overloaded(f"{self._pending} requests in flight (limit {self.max_pending})")
@@ -112,10 +146,12 @@ class EngineLoop:
         self._wake.set()
         return sub
 
-    def abort(self, request_ids) -> None:
-        """Cancels requests (unknown or finished ids are ignored)."""
+    def abort(self, request_ids, reason: str = "abort") -> None:
+        """Cancels requests (unknown or finished ids are ignored); `reason` is how the
+        metrics count their end: "abort" (the client went away) or "stop" (a stop string
+        the server found in the text ended it)."""
         for rid in request_ids:
-            self._inbox.append(("abort", rid))
+            self._inbox.append(("abort", rid, reason))
         self._wake.set()
 
     def call(self, fn) -> "asyncio.Future":
@@ -135,7 +171,8 @@ class EngineLoop:
         eng = self.engine
         while True:
             self._wake.clear()
-            self._drain()
+            if self._drain():
+                self._update_gauges()
             if self._closing:
                 break
             if not eng.has_unfinished():
@@ -154,12 +191,22 @@ class EngineLoop:
             m.step_seconds.observe(time.perf_counter() - t0)
             for ev in eng.events:
                 self._dispatch(ev)
-            m.running.set(len(eng.scheduler.running))
-            m.waiting.set(len(eng.scheduler.waiting))
+            self._update_gauges()
         self._drain()
-        self._fail_all(EngineFailed("the server is shutting down"))
+        self._fail_all(ShuttingDown("the server is shutting down"))
 
-    def _drain(self) -> None:
+    def _update_gauges(self) -> None:
+        counts = self.engine.request_counts()
+        self.metrics.running.set(counts["running"])
+        self.metrics.waiting.set(counts["waiting"])
+        preempted = self.engine.counters.get("preemptions", 0)
+        if preempted > self._preemptions:
+            self.metrics.preemptions.inc(preempted - self._preemptions)
+        self._preemptions = preempted
+
+    def _drain(self) -> bool:
+        """Runs the inbox; True when it changed the engine's requests."""
+        changed = False
         while self._inbox:
             cmd = self._inbox.popleft()
             if cmd[0] == "add":
@@ -171,20 +218,21 @@ class EngineLoop:
                     sub.deliver(rid, e)
                     continue
                 self._routes[rid] = sub
+                changed = True
             elif cmd[0] == "abort":
-                out = self.engine.abort(cmd[1])
+                _, rid, reason = cmd
+                out = self.engine.abort(rid)
                 if out is not None:
-                    self._routes.pop(cmd[1], None)
-                    for dt in out.stats.token_latencies_s:
-                        self.metrics.token_latency.observe(dt)
-                    self.metrics.finished.inc(reason="abort")
-                    self._done(1)
+                    self._routes.pop(rid, None)
+                    self._finished(out, reason)
+                    changed = True
             else:
                 _, fn, fut = cmd
                 try:
                     fut.set_result(fn(self.engine))
                 except Exception as e:   # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
+        return changed
 
     def _dispatch(self, ev: StreamEvent) -> None:
         m = self.metrics
@@ -192,6 +240,8 @@ class EngineLoop:
         if ev.stats is not None:            # first token: the prefill's facts
             st = ev.stats
             m.ttft.observe(st.ttft_s)
+            m.queue_time.observe(st.queue_s)
+            m.prefill_time.observe(st.prefill_s)
             m.paths.inc(path=st.path)
             m.prompt_tokens.inc(st.prompt_tokens)
             m.cached_tokens.inc(st.prompt_tokens - st.prefill_tokens)
@@ -201,23 +251,33 @@ class EngineLoop:
                 m.hit_tokens.inc(n, tier=tier)
         sub = self._routes.get(ev.request_id)
         if ev.finished:
-            st = ev.output.stats
-            for dt in st.token_latencies_s:
-                m.token_latency.observe(dt)
-            m.e2e.observe(st.e2e_s)
-            m.finished.inc(reason=ev.output.finish_reason or "")
             self._routes.pop(ev.request_id, None)
-            self._done(1)
+            self._finished(ev.output, ev.output.finish_reason or "")
         if sub is not None:
             sub.deliver(ev.request_id, ev)
 
+    def _finished(self, out, reason: str) -> None:
+        """A request left the engine: its latencies, and for a completed one ("stop",
+        "length") its end-to-end and decode time (first to last token)."""
+        m, st = self.metrics, out.stats
+        for dt in st.token_latencies_s:
+            m.token_latency.observe(dt)
+        if reason in ("stop", "length") and out.output_tokens:
+            decode = sum(st.token_latencies_s)
+            m.e2e.observe(st.ttft_s + decode)
+            m.decode_time.observe(decode)
+        m.finished.inc(reason=reason)
+        self._done(1)
+
     def _fail_all(self, error: Exception) -> None:
+        reason = "abort" if isinstance(error, ShuttingDown) else "error"
         for rid, sub in list(self._routes.items()):
             self.engine.abort(rid)
-            self.metrics.finished.inc(reason="error")
+            self.metrics.finished.inc(reason=reason)
             self._done(1)
             sub.deliver(rid, error)
         self._routes.clear()
+        self._update_gauges()
 
     def _done(self, n: int) -> None:
         with self._lock:

@@ -11,9 +11,12 @@ a sandbox as Hugging Face does; stop tokens come from `generation_config.json` a
 tokenizer's `eos_token`.
 
 Synthetic presets (and checkpoints without tokenizer.json) get ByteTokenizer: token id =
-one byte of the UTF-8 text (ids 0..255, so any vocab of at least 256 ids), no special
-tokens and no stop token (synthetic weights never learned one: requests end at max_tokens
-or a stop string), and BYTE_CHAT_TEMPLATE:
+one byte of the UTF-8 text (ids 0..255, so any vocab of at least 256 ids) and
+BYTE_CHAT_TEMPLATE. Its special tokens are those a checkpoint's `generation_config.json`
+names (`eos_token_id`, `bos_token_id`: the shipped v41-tiny-tasks was trained with BOS 1 and
+EOS 2, dsv41/eval/tokenizer.py): the EOS ids stop a request, and special ids never show in
+the text. A preset has neither (synthetic weights never learned one: requests end at
+max_tokens or a stop string). Its template:
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 
@@ -67,11 +70,12 @@ class ChatTemplate:
 
 
 class _ByteDetokenizer:
-    def __init__(self):
+    def __init__(self, special: frozenset[int]):
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._special = special
 
     def add(self, token: int) -> str:
-        return self._dec.decode(bytes([token])) if 0 <= token < 256 else ""
+        return self._dec.decode(bytes([token])) if 0 <= token < 256 and token not in self._special else ""
 
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)
@@ -81,25 +85,28 @@ class ByteTokenizer:
     """Token id = one byte of UTF-8 text (see the module docstring)."""
 
     name = "bytes"
-    eos_token_ids: tuple[int, ...] = ()
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, *, eos_token_ids=(), special_ids=()):
+        """eos_token_ids stop a request; they and special_ids (BOS) decode to nothing."""
         if vocab_size < 256:
             raise ValueError(f"the byte tokenizer needs a vocab of at least 256 ids, got {vocab_size}")
         self.vocab_size = vocab_size
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(int(i) for i in eos_token_ids))
+        self.special = frozenset(self.eos_token_ids) | frozenset(int(i) for i in special_ids)
         self.chat = ChatTemplate(BYTE_CHAT_TEMPLATE)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256 and int(i) not in self.special
+                     ).decode("utf-8", errors="replace")
 
     def render_chat(self, messages: list[dict], **extra) -> str:
         return self.chat.render(messages, **extra)
 
     def detokenizer(self, prompt: list[int] = ()) -> _ByteDetokenizer:
-        return _ByteDetokenizer()
+        return _ByteDetokenizer(self.special)
 
     def token_bytes(self, token: int) -> list[int]:
         return [token] if 0 <= token < 256 else []
@@ -167,9 +174,7 @@ class HFTokenizer:
             named = {t.get("name"): t.get("template") for t in cfg["chat_template"]}
             source = named.get("default") or next(iter(named.values()), None)
         self.chat = ChatTemplate(source, bos_token=bos, eos_token=eos) if source else None
-        eos_ids = set()
-        gen = _read_json(d / "generation_config.json").get("eos_token_id")
-        eos_ids.update(gen if isinstance(gen, list) else [gen] if gen is not None else [])
+        eos_ids = set(_generation_ids(d, "eos_token_id"))
         if eos is not None and self.tok.token_to_id(eos) is not None:
             eos_ids.add(self.tok.token_to_id(eos))
         self.eos_token_ids = tuple(sorted(int(i) for i in eos_ids))
@@ -203,8 +208,19 @@ def _token_str(v) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
 
 
+def _generation_ids(d: Path, field: str) -> list[int]:
+    """An id or a list of ids from generation_config.json (none when absent)."""
+    v = _read_json(d / "generation_config.json").get(field)
+    return [int(i) for i in (v if isinstance(v, list) else [v] if v is not None else [])]
+
+
 def load_tokenizer(directory: str | Path | None, vocab_size: int) -> ByteTokenizer | HFTokenizer:
-    """The checkpoint's tokenizer when `directory` has tokenizer.json, else ByteTokenizer."""
+    """The checkpoint's tokenizer when `directory` has tokenizer.json, else ByteTokenizer
+    with the special ids of its generation_config.json."""
     if directory is not None and (Path(directory) / "tokenizer.json").exists():
         return HFTokenizer(directory, vocab_size)
-    return ByteTokenizer(vocab_size)
+    if directory is None:
+        return ByteTokenizer(vocab_size)
+    d = Path(directory)
+    return ByteTokenizer(vocab_size, eos_token_ids=_generation_ids(d, "eos_token_id"),
+                         special_ids=_generation_ids(d, "bos_token_id"))

@@ -9,7 +9,7 @@ verified against dsv41's own record (docs/remote.md).
     record      encode/verify of remote values (the SSD record format)
     snapshot_codec  TensorSnapshot <-> bytes
     tier        RemoteTier: keys, lookups with promotion, the write-behind queue
-    hook        the calls PrefixCache makes into the tier
+    (the prefix cache reaches it through cache/tiers/remote.py: the tier protocol)
     metrics     RemoteMetrics (dsv41_cache_remote_*)
     servers     start/stop local Mooncake + Redis servers on loopback (tests, demo, bench)
 """

@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -77,10 +77,14 @@ class RemoteConfig:
 
 
 class _Work:
-    __slots__ = ("kind", "args")
+    __slots__ = ("kind", "args", "on_done")
 
-    def __init__(self, kind, args):
-        self.kind, self.args = kind, args
+    def __init__(self, kind, args, on_done=None):
+        self.kind, self.args, self.on_done = kind, args, on_done
+
+    def done(self) -> None:
+        if self.on_done is not None:
+            self.on_done()
 
 
 class RemoteTier:
@@ -261,13 +265,23 @@ class RemoteTier:
         return True
 
     def enqueue_blocks(self, key: bytes, namespace: str, hashes: Sequence[bytes], tok: np.ndarray, start: int,
-                       payloads: torch.Tensor, root: bytes) -> bool:
-        """Queues blocks start.. (payloads row j is block start + j) for the remote store."""
-        if self.blocks is None or not len(payloads):
-            return False
-        n = start + len(payloads)
-        return self._enqueue("blocks", _Work("blocks", (key, namespace, list(hashes[:n]), tok[:n].copy(), start,
-                                                        payloads.detach().to("cpu"), root)))
+                       payloads: torch.Tensor | Callable[[], torch.Tensor], root: bytes,
+                       on_done: Callable[[], None] | None = None) -> bool:
+        """Queues blocks start.. (payloads row j is block start + j) for the remote store.
+        payloads may be a callable that returns them, called by the writer only when it
+        writes (the prefix cache's adopted pages are read then); it covers blocks
+        start .. len(hashes) - 1. on_done is called once the work is written or dropped."""
+        lazy = callable(payloads)
+        n = len(hashes) if lazy else start + len(payloads)
+        if self.blocks is None or n <= start:
+            ok = False
+        else:
+            rows = payloads if lazy else payloads.detach().to("cpu")
+            ok = self._enqueue("blocks", _Work("blocks", (key, namespace, list(hashes[:n]), tok[:n].copy(), start,
+                                                          rows, root), on_done))
+        if not ok and on_done is not None:
+            on_done()
+        return ok
 
     def enqueue_snapshot(self, key: bytes, namespace: str, arr: np.ndarray, hashes: Sequence[bytes], root: bytes,
                          snapshot: TensorSnapshot) -> bool:
@@ -289,6 +303,8 @@ class RemoteTier:
             except Exception:  # a bug here must not kill the writer; count it and go on
                 self.metrics.dropped_writes.inc(role=w.kind if w else "?", cause="error")
             finally:
+                if w is not None:
+                    w.done()
                 self._q.task_done()
                 self.metrics.queue_depth.set(self._q.qsize())
 
@@ -302,6 +318,8 @@ class RemoteTier:
             return
         todo = [i for i, ok in zip(idx, have) if not ok]
         if todo:
+            if callable(payloads):
+                payloads = payloads()
             self._put_blocks(self.blocks, *self.block_batch(key, namespace, hashes, tok, todo, payloads, start, root),
                              timeout_s=self.rc.write_timeout_s)
 
@@ -403,5 +421,13 @@ class RemoteTier:
         except queue.Full:
             pass
         self._writer.join(timeout=1.0)
+        while True:   # work left behind (the flush timed out) is dropped: let its owner know
+            try:
+                w = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if w is not None:
+                w.done()
+            self._q.task_done()
         for g in self._guards:
             g.close()
