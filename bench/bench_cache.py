@@ -572,6 +572,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--gap-ms", type=float, default=300.0, help="request section: spacing of spaced arrivals")
     args = p.parse_args(argv)
+    if args.dir is not None:
+        try:  # the folder to measure may be new: make it, as a store would
+            Path(args.dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"--dir {args.dir}: {e.strerror or e}")
     sections = args.only or ["store", "request", "lookup", "snapshot"] + (["device"] if args.device == "cuda" else [])
     commit = git_commit()
     out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit, "host": platform.node(),

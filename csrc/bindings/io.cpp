@@ -403,6 +403,9 @@ void bind_io(py::module_& parent) {
   m.attr("FAULT_REFUSE_DIRECT_OPEN") = static_cast<uint32_t>(io::kFaultRefuseDirectOpen);
   m.attr("FAULT_REFUSE_DIRECT_IO") = static_cast<uint32_t>(io::kFaultRefuseDirectIo);
   m.attr("FAULT_NO_SPACE") = static_cast<uint32_t>(io::kFaultNoSpace);
+  m.attr("FAULT_SLOW_SEAL") = static_cast<uint32_t>(io::kFaultSlowSeal);
+  m.attr("FAULT_OP_OPEN") = static_cast<int>(io::kFaultOpOpen);
+  m.attr("FAULT_OP_READ") = static_cast<int>(io::kFaultOpRead);
   m.attr("RECORD_STATUS") = py::make_tuple("ok", "truncated", "header", "checksum", "collision", "chain");
   m.attr("SEAL_WRITES") = static_cast<int>(IoEngine::kSealWrites);
   m.attr("SEAL_SYNC") = static_cast<int>(IoEngine::kSealSync);
@@ -537,6 +540,8 @@ void bind_io(py::module_& parent) {
              return e.fsync(fd);
            })
       .def("set_faults", &IoEngine::set_faults, py::arg("faults"), py::arg("nospace_after") = 0)
+      .def("inject_fault", &IoEngine::inject_fault, py::arg("op"), py::arg("skip"), py::arg("count"),
+           py::arg("err"))
       .def("counters", [](const IoEngine& e) { return counters_dict(e.counters()); });
 
   m.def("crc32c",
@@ -616,19 +621,39 @@ void bind_io(py::module_& parent) {
 #endif
   });
 
+  m.def("gds_error_string", &io::gds_error_string, py::arg("code"),
+        "what a GdsFile result or cuFile error code means (errno text, or the CUfileOpError)");
+  // The device buffer may be memory torch's caching allocator handed back with work still
+  // queued on it, and cuFile neither knows nor waits for CUDA streams: the read waits for
+  // the current stream first (as kvikio's sync_default_stream does). The guard makes the
+  // tensor's device, and so its primary context, current on this thread: cuFile calls
+  // with GPU buffers need a valid context.
   py::class_<io::GdsFile, std::shared_ptr<io::GdsFile>>(m, "GdsFile")
       .def(py::init<const std::string&, bool>(), py::arg("path"), py::arg("write") = false)
+      .def_property_readonly("direct", &io::GdsFile::direct)
       .def("read",
            [](io::GdsFile& f, const at::Tensor& dst, uint64_t size, uint64_t file_offset, uint64_t dev_offset) {
              if (!dst.is_cuda() || !dst.is_contiguous()) throw std::invalid_argument("dst must be a contiguous CUDA tensor");
              if (dev_offset + size > static_cast<uint64_t>(dst.nbytes())) throw std::invalid_argument("read overruns dst");
+#ifdef DSV41_WITH_CUDA
+             c10::cuda::CUDAGuard guard(dst.device());
              py::gil_scoped_release nogil;
+             c10::cuda::getCurrentCUDAStream(dst.device().index()).synchronize();
+#else
+             py::gil_scoped_release nogil;
+#endif
              return f.read(dst.data_ptr(), size, file_offset, dev_offset);
            })
       .def("write", [](io::GdsFile& f, const at::Tensor& src, uint64_t size, uint64_t file_offset, uint64_t dev_offset) {
         if (!src.is_cuda() || !src.is_contiguous()) throw std::invalid_argument("src must be a contiguous CUDA tensor");
         if (dev_offset + size > static_cast<uint64_t>(src.nbytes())) throw std::invalid_argument("write overruns src");
+#ifdef DSV41_WITH_CUDA
+        c10::cuda::CUDAGuard guard(src.device());
         py::gil_scoped_release nogil;
+        c10::cuda::getCurrentCUDAStream(src.device().index()).synchronize();
+#else
+        py::gil_scoped_release nogil;
+#endif
         return f.write(src.data_ptr(), size, file_offset, dev_offset);
       });
 

@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -241,6 +243,7 @@ std::tuple<int, int, size_t> IoEngine::seal_files(const std::vector<SealItem>& f
                                                   const std::string& dir) {
   size_t n = 0;  // files whose writes succeeded (then: that are durable)
   int err = 0, step = kSealDone;
+  if (faults_.load() & kFaultSlowSeal) std::this_thread::sleep_for(std::chrono::milliseconds(300));
   {
     uint64_t last = 0;
     for (const auto& f : files) last = std::max(last, f.last_ticket);
@@ -294,6 +297,8 @@ std::pair<int, int> IoEngine::seal_file(int fd, uint64_t first_ticket, uint64_t 
 
 int IoEngine::open(const std::string& path, int flags, int mode, bool direct, bool* is_direct) {
   *is_direct = false;
+  int injected = 0;
+  if (take_fault(kFaultOpOpen, &injected)) return -(injected ? injected : EIO);
   if (direct) {
     int fd = -1;
     if (faults_.load() & kFaultRefuseDirectOpen) {
@@ -360,6 +365,17 @@ void IoEngine::run_chunk(Chunk& c, bool write) {
   IoOp& op = *c.op;
   uint8_t* buf = op.buf + c.start;
   const uint64_t offset = op.offset + c.start;
+  int injected = 0;
+  if (!write && take_fault(kFaultOpRead, &injected)) {
+    if (injected) {
+      c.err = injected;
+      return;
+    }
+    // A short read: the first half of the chunk (whole pages, so an O_DIRECT fd takes it).
+    const uint64_t half = c.length / 2 / kAlign * kAlign;
+    c.err = half ? do_io(op.fd, buf, half, offset, false, &c.done) : 0;
+    return;
+  }
   const int fl = fcntl(op.fd, F_GETFL);
   if (fl < 0) {
     c.err = errno;
@@ -489,6 +505,28 @@ int IoEngine::fsync(int fd) {
   const int r = ::fsync(fd);
 #endif
   return r == 0 ? 0 : -errno;
+}
+
+bool IoEngine::take_fault(int op, int* err) {
+  if (!injected_armed_.load(std::memory_order_relaxed)) return false;
+  std::lock_guard<std::mutex> lock(fmu_);
+  Injected& f = injected_[op];
+  if (f.count == 0) return false;
+  if (f.skip > 0) {
+    --f.skip;
+    return false;
+  }
+  --f.count;
+  *err = f.err;
+  injected_armed_.store(injected_[0].count > 0 || injected_[1].count > 0);
+  return true;
+}
+
+void IoEngine::inject_fault(int op, uint64_t skip, uint64_t count, int err) {
+  if (op != kFaultOpOpen && op != kFaultOpRead) throw std::invalid_argument("fault op is open (0) or read (1)");
+  std::lock_guard<std::mutex> lock(fmu_);
+  injected_[op] = {skip, count, err};
+  injected_armed_.store(injected_[0].count > 0 || injected_[1].count > 0);
 }
 
 void IoEngine::set_faults(uint32_t faults, uint64_t nospace_after) {

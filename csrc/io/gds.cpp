@@ -80,7 +80,7 @@ CuFileApi& api() {
     }
     const CUfileError_t e = a.driver_open();
     if (e.err != CU_FILE_SUCCESS) {
-      a.status.reason = "cuFileDriverOpen failed (cuFile error " + std::to_string(e.err) + ")";
+      a.status.reason = "cuFileDriverOpen failed: " + gds_error_string(e.err);
       return;
     }
     a.status.available = true;
@@ -96,7 +96,10 @@ GdsStatus gds_status() { return api().status; }
 GdsFile::GdsFile(const std::string& path, bool write) {
   CuFileApi& a = api();
   if (!a.status.available) throw std::runtime_error("GPUDirect Storage unavailable: " + a.status.reason);
-  fd_ = ::open(path.c_str(), (write ? O_RDWR | O_CREAT : O_RDONLY) | O_DIRECT | O_CLOEXEC, 0644);
+  const int flags = (write ? O_RDWR | O_CREAT : O_RDONLY) | O_CLOEXEC;
+  fd_ = ::open(path.c_str(), flags | O_DIRECT, 0644);
+  direct_ = fd_ >= 0;
+  if (fd_ < 0 && errno == EINVAL) fd_ = ::open(path.c_str(), flags, 0644);  // no O_DIRECT here
   if (fd_ < 0) throw std::runtime_error("open " + path + ": " + std::strerror(errno));
   CUfileDescr_t descr;
   std::memset(&descr, 0, sizeof(descr));
@@ -107,8 +110,8 @@ GdsFile::GdsFile(const std::string& path, bool write) {
   if (e.err != CU_FILE_SUCCESS) {
     ::close(fd_);
     fd_ = -1;
-    throw std::runtime_error("cuFileHandleRegister(" + path + ") failed (cuFile error " +
-                             std::to_string(e.err) + ")");
+    throw std::runtime_error("cuFileHandleRegister(" + path + (direct_ ? "" : ", without O_DIRECT") +
+                             ") failed: " + gds_error_string(e.err));
   }
   handle_ = h;
 }
@@ -118,15 +121,30 @@ GdsFile::~GdsFile() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+// cuFile returns -1 with errno set for a system error, and -CUfileOpError for its own:
+// -1 becomes -errno here, before anything else can change errno.
 int64_t GdsFile::read(void* dev_ptr, uint64_t size, uint64_t file_offset, uint64_t dev_offset) {
-  return api().read(static_cast<CUfileHandle_t>(handle_), dev_ptr, size,
-                    static_cast<off_t>(file_offset), static_cast<off_t>(dev_offset));
+  errno = 0;
+  const ssize_t n = api().read(static_cast<CUfileHandle_t>(handle_), dev_ptr, size,
+                               static_cast<off_t>(file_offset), static_cast<off_t>(dev_offset));
+  if (n == -1) return errno ? -errno : -EIO;
+  return n;
 }
 
 int64_t GdsFile::write(const void* dev_ptr, uint64_t size, uint64_t file_offset,
                        uint64_t dev_offset) {
-  return api().write(static_cast<CUfileHandle_t>(handle_), dev_ptr, size,
-                     static_cast<off_t>(file_offset), static_cast<off_t>(dev_offset));
+  errno = 0;
+  const ssize_t n = api().write(static_cast<CUfileHandle_t>(handle_), dev_ptr, size,
+                                static_cast<off_t>(file_offset), static_cast<off_t>(dev_offset));
+  if (n == -1) return errno ? -errno : -EIO;
+  return n;
+}
+
+std::string gds_error_string(int64_t code) {
+  const int64_t c = code < 0 ? -code : code;
+  if (c < CUFILEOP_BASE_ERR) return std::strerror(static_cast<int>(c));
+  return "cuFile error " + std::to_string(c) + " (" +
+         cufileop_status_error(static_cast<CUfileOpError>(c)) + ")";
 }
 
 }  // namespace io
@@ -152,6 +170,10 @@ GdsFile::GdsFile(const std::string&, bool) {
 }
 GdsFile::~GdsFile() = default;
 int64_t GdsFile::read(void*, uint64_t, uint64_t, uint64_t) { return -ENOSYS; }
+std::string gds_error_string(int64_t code) {
+  const int64_t c = code < 0 ? -code : code;
+  return c < 5000 ? std::string(std::strerror(static_cast<int>(c))) : "cuFile error " + std::to_string(c);
+}
 int64_t GdsFile::write(const void*, uint64_t, uint64_t, uint64_t) { return -ENOSYS; }
 
 }  // namespace io

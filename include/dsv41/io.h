@@ -119,7 +119,12 @@ enum Fault : uint32_t {
   kFaultRefuseDirectIo = 1u << 1,    // the first I/O on an O_DIRECT fd fails with EINVAL
   kFaultNoSpace = 1u << 2,           // writes fail with ENOSPC once `nospace_after` bytes
                                      // have been written (counted over the engine's life)
+  kFaultSlowSeal = 1u << 3,          // seal_files sleeps 300 ms before its first step (a
+                                     // slow fsync: a process can exit while one runs)
 };
+
+// Test-only injected failures of single operations (IoEngine::inject_fault).
+enum FaultOp : int { kFaultOpOpen = 0, kFaultOpRead = 1 };
 
 struct IoCounters {
   uint64_t bytes_read = 0;
@@ -202,6 +207,11 @@ class IoEngine {
   void parallel_for(size_t n, const std::function<void(size_t)>& fn) { pool_.parallel_for(n, fn); }
 
   void set_faults(uint32_t faults, uint64_t nospace_after);
+  // Test hook: after `skip` more operations of kind `op` (FaultOp: open(), or one read
+  // chunk of run()), the next `count` fail: with errno `err`, or, a read with err 0,
+  // short (half the chunk, rounded down to 4 KiB, no errno: as at the end of the file).
+  // count 0 disarms. A store must treat either as a miss, never as a damaged record.
+  void inject_fault(int op, uint64_t skip, uint64_t count, int err);
   IoCounters counters() const;
 
  private:
@@ -216,6 +226,7 @@ class IoEngine {
   void write_worker();
   int do_io(int fd, uint8_t* buf, uint64_t length, uint64_t offset, bool write, uint64_t* done);
   bool drop_direct(int fd);
+  bool take_fault(int op, int* err);  // whether this operation is an injected failure
 
   ThreadPool pool_;
   uint64_t chunk_bytes_;
@@ -239,6 +250,13 @@ class IoEngine {
   std::atomic<uint32_t> faults_{0};
   std::atomic<uint64_t> nospace_after_{0};
   std::atomic<bool> direct_io_refused_once_{false};
+  struct Injected {
+    uint64_t skip = 0, count = 0;
+    int err = 0;
+  };
+  std::mutex fmu_;
+  Injected injected_[2];                    // by FaultOp
+  std::atomic<bool> injected_armed_{false};  // any count > 0: only then take fmu_
   std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0}, read_ops_{0}, write_ops_{0},
       direct_ops_{0}, buffered_ops_{0}, direct_fallbacks_{0}, errors_{0};
 };
@@ -272,19 +290,30 @@ struct GdsStatus {
   std::string reason;   // why not, or the library that was loaded
 };
 GdsStatus gds_status();          // loads and opens the driver on first use
+// What a GdsFile::read/write result or a cuFile error code (>= 5000, either sign) means:
+// the CUfileOpError's name and text from cufile.h, or strerror for an errno.
+std::string gds_error_string(int64_t code);
 class GdsFile {
  public:
-  GdsFile(const std::string& path, bool write);  // throws std::runtime_error on failure
+  // Opens `path` with O_DIRECT (without it where the filesystem refuses O_DIRECT: cuFile
+  // then decides, and in compatibility mode reads through its POSIX path) and registers
+  // it with cuFile. Throws std::runtime_error naming the step that failed and why.
+  GdsFile(const std::string& path, bool write);
   ~GdsFile();
   GdsFile(const GdsFile&) = delete;
   GdsFile& operator=(const GdsFile&) = delete;
-  // cuFileRead/cuFileWrite into/from device memory; bytes or -errno / -cuFile error.
+  // cuFileRead/cuFileWrite into/from device memory: bytes, or -errno for a system error
+  // (cuFile's -1 with errno set), or -(a CUfileOpError, >= 5000) for cuFile's own.
   int64_t read(void* dev_ptr, uint64_t size, uint64_t file_offset, uint64_t dev_offset);
   int64_t write(const void* dev_ptr, uint64_t size, uint64_t file_offset, uint64_t dev_offset);
 
  private:
   int fd_ = -1;
   void* handle_ = nullptr;
+  bool direct_ = false;
+
+ public:
+  bool direct() const { return direct_; }  // whether the fd has O_DIRECT
 };
 
 }  // namespace io

@@ -41,7 +41,7 @@ def _writer(path: str, seed: int, wfd: int, durability: str) -> None:
             if r < 0.1 and rids:
                 victim = int(rng.choice(rids))
                 os.write(wfd, f"D {victim}\n".encode())  # before: it may or may not persist
-                st._delete(victim, "explicit")
+                st.delete(victim, "explicit")
             elif r < 0.2:
                 st.gc(compact_dead_fraction=0.2)
             else:

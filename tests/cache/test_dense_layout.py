@@ -34,7 +34,7 @@ class _AlignedIO:
 
     def __init__(self, st, monkeypatch):
         self.reads, self.writes = [], []
-        eng = st._eng
+        eng = st.engine
         real_submit, real_pread, inner = eng.submit_write, eng.pread, eng._eng
         outer = self
 
@@ -115,7 +115,7 @@ def test_packed_segments_round_trip_reopen_verify_compact_and_scan(tmp_path, mon
             got, out = load_all(st, t, key())
             assert got == rids and np.array_equal(out, pays)
         # Compaction copies the live records into a new segment, packed the same way.
-        st._delete(written[0][1][0], "explicit")
+        st.delete(written[0][1][0], "explicit")
         rep = st.gc(compact_dead_fraction=0.01)  # any dead bytes: compact
         assert rep["segments_compacted"] == 1 and len(st) == 19
         assert len(segments(tmp_path)) == 1

@@ -66,5 +66,7 @@ def test_ssd_hits_are_promoted_into_device_memory_bit_exact(tmp_path, gds, monke
     m = cache.match(prompt, "a")
     assert (m.gpu_blocks, m.ssd_blocks) == (0, 6)
     assert torch.equal(cache.read_blocks(m, device="cpu"), want)
+    if gds:  # served by the device path itself, not by the host path it falls back to
+        assert cache.store.device_path_reason is None, cache.store.device_path_reason
     cache.release(m)
     cache.close()

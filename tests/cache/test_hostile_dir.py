@@ -22,7 +22,7 @@ from dsv41.cache.hashing import BlockHasher
 from dsv41.cache.store import PersistentStore
 
 from .helpers import B, FP, LAYOUT, chain_payloads, identity, key, load_all, open_store, rand_tokens, token_rows, \
-    write_chain
+    weak_hash, write_chain
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 OUTSIDE = b"precious bytes outside the store\n" * 10
@@ -285,3 +285,81 @@ def test_a_record_of_another_store_never_continues_a_chain(tmp_path, out_kind):
         assert len(got) == 2 and rid not in st  # served a's two blocks, dropped the impostor
         assert not bool(out[2].any())  # the impostor's payload never stays in its row
         assert st.metrics.checksum_failures.value(kind="chain") == 1
+
+
+@pytest.mark.parametrize("b_first", [False, True], ids=["a-kept", "b-kept"])
+def test_merged_stores_with_a_weak_hash_serve_neither_stores_blocks(tmp_path, b_first):
+    """Issue 29 item 3. Stores a and b (a 1-byte hash) share a first block S; a holds
+    [S, A2], b holds [S, B2, B3], with hash(A2) == hash(B2). Both numbered their records
+    from 1, so each id of a is claimed again by b with the same parent, hash, block index
+    and key. Taken for one record, whichever copy of id 2 is kept: if a's, then b's B3
+    continues a's chain (its parent hash is hash(B2) == hash(A2)) and the prompt
+    [S, A2, B3's tokens] was served B3, whose KV belongs to the prefix [S, B2, B3]. Two
+    records that share an id are one record only when their bytes are: here they are
+    not, and neither store's copy is trusted."""
+    hasher = BlockHasher(B, weak_hash, "weak")
+    ident = identity(hasher=hasher)
+    rng = np.random.default_rng(29)
+    s = rand_tokens(rng, B)
+    a2 = rand_tokens(rng, B)
+    h_a2 = hasher.hash_blocks(np.concatenate([s, a2]), key())[1]
+    while True:  # a second block whose (weak) hash collides with a2's after the same S
+        b2 = rand_tokens(rng, B)
+        if hasher.hash_blocks(np.concatenate([s, b2]), key())[1] == h_a2:
+            break
+    b3 = rand_tokens(rng, B)
+    chains = {"a": np.concatenate([s, a2]), "b": np.concatenate([s, b2, b3])}
+    # Both segments have sequence number 1, so recovery loads them in name (uuid) order and
+    # keeps the later copy of a duplicated id: the second store is rewritten until its
+    # segment's name sorts after the first's, so each case keeps the copy it names.
+    order = ("b", "a") if b_first else ("a", "b")
+    with open_store(tmp_path / order[0], identity=ident) as st:
+        write_chain(st, chains[order[0]], key(), hasher=hasher)
+    for attempt in range(64):
+        second = tmp_path / f"{order[1]}{attempt}"
+        with open_store(second, identity=ident) as st:
+            write_chain(st, chains[order[1]], key(), hasher=hasher)
+        if segments(second)[0] > segments(tmp_path / order[0])[0]:
+            break
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    shutil.copy(second / sf.MANIFEST_NAME, merged / sf.MANIFEST_NAME)
+    for src in (tmp_path / order[0], second):
+        for n in segments(src):
+            shutil.copy(src / n, merged / n)
+    prompt = np.concatenate([s, a2, b3])
+    with open_store(merged, identity=ident) as st:
+        got, out = load_all(st, prompt, key(), hasher=hasher)
+        want = chain_payloads(prompt, key())
+        assert np.array_equal(out, want[: len(got)]), "served a block of the other store's prefix"
+        assert len(got) < 3
+        assert st.counts["colliding_records"] >= 4  # ids 1 and 2, both copies
+        assert all(load_all(st, t, key(), hasher=hasher)[0] == [] for t in chains.values())
+
+
+def test_a_record_copied_by_compaction_is_one_record_not_a_collision(tmp_path):
+    """The other side of the rule above: compaction copies records verbatim into a segment
+    that supersedes the old one. If the old file comes back and the new one's header (its
+    superseded list) is damaged, recovery finds every id twice with byte-identical
+    headers: one record each, kept once (duplicate_records), never a collision."""
+    rng = np.random.default_rng(30)
+    keep, drop = rand_tokens(rng, 3 * B), rand_tokens(rng, 3 * B)
+    with open_store(tmp_path) as st:
+        write_chain(st, keep, key(), commit=False)
+        hashes, rids, _ = write_chain(st, drop, key())
+        [old] = segments(tmp_path)
+        saved = (tmp_path / old).read_bytes()
+        st.delete(rids[0], "explicit")
+        assert st.gc()["segments_compacted"] == 1
+        [new] = segments(tmp_path)
+    (tmp_path / old).write_bytes(saved)
+    with open(tmp_path / new, "r+b") as f:  # the new segment's header: its superseded list
+        f.seek(10)
+        b = f.read(1)
+        f.seek(10)
+        f.write(bytes([b[0] ^ 0x5A]))
+    with open_store(tmp_path) as st:
+        assert st.counts["damaged_segments"] == 1 and st.counts["colliding_records"] == 0
+        assert st.counts["duplicate_records"] == 3
+        got, out = load_all(st, keep, key())
+        assert len(got) == 3 and np.array_equal(out, chain_payloads(keep, key()))

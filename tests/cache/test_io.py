@@ -184,6 +184,36 @@ def test_disk_full_is_reported_not_hidden(tmp_path):
         eng.open(str(tmp_path / "no" / "such"), os.O_RDONLY)
 
 
+def test_injected_faults_fail_the_chosen_operation_once(tmp_path):
+    """The test hook the store's read-fault tests stand on: after `skip` operations the
+    next `count` of one kind fail (an errno, or for reads with err 0 a short read)."""
+    eng = io.IOEngine(1)
+    data = bytes(range(256)) * 64  # 4 pages
+    (tmp_path / "f.bin").write_bytes(data)
+    f = eng.open(str(tmp_path / "f.bin"), os.O_RDONLY, direct=False)
+    buf, view = io.staging(len(data))
+    op = [(f.fd, 0, len(data), buf, 0)]
+    eng.inject_fault("read", errno.EIO, skip=1)
+    assert eng.pread(op) == [(len(data), 0)]  # skipped
+    assert eng.pread(op) == [(0, errno.EIO)]
+    assert eng.pread(op) == [(len(data), 0)]  # once
+    eng.inject_fault("read", 0)
+    view[:] = 0
+    assert eng.pread(op) == [(len(data) // 2, 0)] and view[: len(data) // 2].tobytes() == data[: len(data) // 2]
+    eng.inject_fault("open", errno.EMFILE, count=2)
+    for _ in range(2):
+        with pytest.raises(OSError) as e:
+            eng.open(str(tmp_path / "f.bin"), os.O_RDONLY)
+        assert e.value.errno == errno.EMFILE
+    os.close(eng.open(str(tmp_path / "f.bin"), os.O_RDONLY).fd)
+    eng.inject_fault("read", errno.EIO, count=5)
+    eng.inject_fault("read", errno.EIO, count=0)  # disarmed
+    assert eng.pread(op) == [(len(data), 0)]
+    with pytest.raises(ValueError):
+        eng.inject_fault("write", errno.EIO)
+    os.close(f.fd)
+
+
 def test_copies_and_buffers():
     eng = io.IOEngine(2)
     src = torch.arange(5 * 64, dtype=torch.int32).view(torch.uint8).reshape(5, -1).clone()
@@ -206,6 +236,22 @@ def test_io_info_reports_the_active_path():
     assert info["backend"] in ("posix", "gds") and info["crc32c"] in ("avx512-vpclmulqdq", "avx2-vpclmulqdq", "sse4.2", "slice-by-8")
     if not torch.cuda.is_available():
         assert info["backend"] == "posix" and not info["gds_available"] and info["gds_detail"]
+
+
+def test_gds_failures_are_named():
+    """cuFile's failures reach `dsv41 info` and the store's logs by name: an errno as its
+    text, a CUfileOpError (>= 5000) with its number (and cufile.h's text where built)."""
+    assert io.gds_error_string(-errno.EIO) == os.strerror(errno.EIO)
+    assert io.gds_error_string(errno.EACCES) == os.strerror(errno.EACCES)
+    assert "5012" in io.gds_error_string(-5012)
+
+
+@pytest.mark.skipif(io.io_info()["gds_available"], reason="GPUDirect Storage works here")
+def test_gds_probe_names_the_step_that_failed_and_leaves_nothing(tmp_path):
+    why = io.gds_probe(str(tmp_path))
+    assert why and "unavailable" in why
+    assert list(tmp_path.iterdir()) == []
+    assert io.gds_probe(str(tmp_path / "no" / "such")).startswith("cannot write a probe file")
 
 
 def test_reads_checksum_ranges_in_the_worker(tmp_path):

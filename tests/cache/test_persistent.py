@@ -67,7 +67,7 @@ def test_segments_written_in_chunks_reopen_whole(tmp_path, monkeypatch, chunk_pa
     with open_store(tmp_path, durability="fsync") as st:
         written = [write_chain(st, t, key(f"c{i}"), commit=False) for i, t in enumerate(chains)]
         st.commit()
-        st._delete(written[1][1][0], "explicit")  # dead bytes, then compaction copies the rest
+        st.delete(written[1][1][0], "explicit")  # dead bytes, then compaction copies the rest
         st.gc(compact_dead_fraction=0.01)
     with open_store(tmp_path) as st:
         assert st.counts["damaged_segments"] == 0 and len(st) == 8
@@ -286,7 +286,7 @@ def test_journal_keeps_deletions_and_access_times_across_restarts(tmp_path):
         write_chain(st, t2, key())
         clock.t += 100
         load_all(st, t1, key())
-        st._delete(st.walk(key(), BlockHasher(B).hash_blocks(t2, key()))[0], "explicit")
+        st.delete(st.walk(key(), BlockHasher(B).hash_blocks(t2, key()))[0], "explicit")
     with open_store(tmp_path, clock=clock) as st:
         assert st.record_ids() == r1
         assert all(st.record_info(r)["atime_ns"] == int(clock.t * 1e9) for r in r1)
@@ -309,7 +309,7 @@ def test_gc_compacts_mostly_dead_segments_and_keeps_live_records(tmp_path):
     assert len(segments(tmp_path)) == 2
     before = st.file_bytes()
     for s in seqs[:2]:  # two of the three chains in segment 1 die
-        st._delete(st.walk(key(), hasher.hash_blocks(s, key()))[0], "explicit")
+        st.delete(st.walk(key(), hasher.hash_blocks(s, key()))[0], "explicit")
     rep = st.gc()
     assert rep["segments_compacted"] == 1 and st.file_bytes() < before
     assert len(segments(tmp_path)) == 2 and len(st) == 4 + 12

@@ -13,29 +13,33 @@ the filesystem accepts it, page cache otherwise).
 """
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import site
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 
 from .._ext import _C
 
-__all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c",
-           "crc32c_lead_rows", "crc32c_sw", "crc32c_combine", "io_info", "align_up", "FAULT_REFUSE_DIRECT_OPEN",
-           "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME",
-           "SEAL_DIR_SYNC", "SEAL_DONE"]
+__all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "GdsFile", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c",
+           "crc32c_lead_rows", "crc32c_sw", "crc32c_combine", "crc32c_device", "check_heads", "io_info", "align_up",
+           "gds_error_string", "gds_probe", "FAULT_REFUSE_DIRECT_OPEN", "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE",
+           "FAULT_SLOW_SEAL", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME", "SEAL_DIR_SYNC", "SEAL_DONE"]
 
 _io = _C.io
 ALIGN: int = _io.ALIGN
 RECORD_ALIGN: int = _io.RECORD_ALIGN  # records are packed at this in a segment (dsv41/record.h)
 HUGE_BYTES: int = _io.HUGE_BYTES  # AlignedBuffers of this size or more are huge-page backed, in whole pages
 AlignedBuffer = _io.AlignedBuffer
+GdsFile = _io.GdsFile  # GdsFile(path): a cuFile handle; read(dst, size, file_offset, dev_offset)
 FAULT_REFUSE_DIRECT_OPEN: int = _io.FAULT_REFUSE_DIRECT_OPEN
 FAULT_REFUSE_DIRECT_IO: int = _io.FAULT_REFUSE_DIRECT_IO
 FAULT_NO_SPACE: int = _io.FAULT_NO_SPACE
+FAULT_SLOW_SEAL: int = _io.FAULT_SLOW_SEAL
 RECORD_STATUS: tuple[str, ...] = _io.RECORD_STATUS  # codes of IoEngine.read_records
 # IOEngine.seal_file's steps, in order
 SEAL_WRITES: int = _io.SEAL_WRITES
@@ -161,9 +165,26 @@ class IOEngine:
         if r < 0:
             raise OSError(-r, os.strerror(-r), path)
 
+    def read_records(self, ops: list, tokens, key: bytes | None, out, payload_bytes: int) -> list:
+        """Reads ops [(fd, offset, length, buffer, buffer_offset, [record spec, ...])] and
+        checks each record in the worker that read it (dsv41/record.h; the bindings say
+        what a spec holds); verified payloads go to their row of `out` (flat uint8 or
+        None). Returns [(bytes_read, errno, [record status code, ...])] per op."""
+        return self._eng.read_records(ops, tokens, key, out, payload_bytes)
+
     def set_faults(self, faults: int, nospace_after: int = 0) -> None:
-        """Test hook: FAULT_* flags (simulated O_DIRECT refusal, disk full after N bytes)."""
+        """Test hook: FAULT_* flags (simulated O_DIRECT refusal, disk full after N bytes,
+        a slow seal)."""
         self._eng.set_faults(faults, nospace_after)
+
+    def inject_fault(self, op: str, err: int = errno.EIO, skip: int = 0, count: int = 1) -> None:
+        """Test hook: after `skip` more operations of kind `op` ("open", or "read": one
+        read chunk), the next `count` fail with errno `err`; a read with err 0 comes back
+        short instead (half its bytes, no errno). count 0 disarms."""
+        kinds = {"open": _io.FAULT_OP_OPEN, "read": _io.FAULT_OP_READ}
+        if op not in kinds:
+            raise ValueError(f"op is 'open' or 'read', got {op!r}")
+        self._eng.inject_fault(kinds[op], int(skip), int(count), int(err))
 
     def counters(self) -> dict:
         return self._eng.counters()
@@ -187,10 +208,82 @@ def _point_at_wheel_cufile() -> None:
             return
 
 
+def check_heads(heads, specs: list, tokens, key: bytes | None, payload_bytes: int, head_bytes: int) -> list[int]:
+    """The host half of a read into device memory: checks each record's head (header,
+    token ids, key; specs as the bindings describe) against what the index expects and
+    the data CRC computed on the device. Returns a record status code per spec."""
+    return _io.check_heads(heads, specs, tokens, key, payload_bytes, head_bytes)
+
+
+def crc32c_device(data, offsets, lengths):
+    """CRC-32C of ranges of a CUDA uint8 tensor (one thread block per range), on the
+    current stream; offsets and lengths are CUDA int64 tensors. Needs a CUDA build."""
+    return _io.crc32c_device(data, offsets, lengths)
+
+
+def gds_error_string(code: int) -> str:
+    """What a GdsFile result (-errno, or -CUfileOpError) or a cuFile error code means."""
+    return _io.gds_error_string(int(code))
+
+
+_probed: dict[str, str | None] = {}
+
+
+def gds_probe(directory: str | None = None) -> str | None:
+    """None when a GPUDirect Storage read works in `directory` (default: the temporary
+    directory): a known pattern is written there through the page cache, read back by
+    cuFile into device memory at a page offset, as the store reads, and compared.
+    Otherwise the step that failed and why. Driver open alone proves little: a cuFile
+    that opens may still refuse the file (the filesystem, O_DIRECT) or fail the read
+    (compatibility mode, the CUDA context). Cached per directory for the process."""
+    directory = os.fspath(directory or tempfile.gettempdir())
+    if directory in _probed:
+        return _probed[directory]
+    import torch
+
+    page = ALIGN
+    want = (np.arange(2 * page, dtype=np.int64) * 7 + 3).astype(np.uint8)
+    why = None
+    try:
+        fd, path = tempfile.mkstemp(prefix=".tmp-dsv41-gds-probe-", dir=directory)
+    except OSError as e:
+        why = f"cannot write a probe file in {directory}: {e.strerror or e}"
+    else:
+        try:
+            os.write(fd, want.tobytes())
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            f = _io.GdsFile(path, False)
+            dev = torch.zeros(3 * page, dtype=torch.uint8, device="cuda")
+            n = f.read(dev, 2 * page, 0, page)
+            if n < 0:
+                why = f"cuFileRead failed: {gds_error_string(n)}"
+            elif n != 2 * page:
+                why = f"cuFileRead read {n} of {2 * page} bytes"
+            elif not np.array_equal(dev[page:].cpu().numpy(), want):
+                why = "cuFileRead returned other bytes than the file holds"
+            del f
+        except (RuntimeError, OSError) as e:
+            why = str(e)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            os.unlink(path)
+    _probed[directory] = why
+    return why
+
+
 def io_info() -> dict:
-    """Which I/O path is active, for build_info() and `dsv41 info`."""
+    """Which I/O path is active, for build_info() and `dsv41 info`. GPUDirect Storage
+    counts as available only once a probe read (gds_probe) in the temporary directory
+    returned the right bytes; gds_detail names the step that failed otherwise."""
     _point_at_wheel_cufile()
     gds_ok, gds_reason = _io.gds_status()
+    if gds_ok:
+        why = gds_probe()
+        if why is not None:
+            gds_ok, gds_reason = False, f"{gds_reason}, but a probe read in {tempfile.gettempdir()} failed: {why}"
     return {
         "backend": "gds" if gds_ok else "posix",
         "posix": "pread/pwrite, O_DIRECT (4 KiB aligned) where the filesystem accepts it",

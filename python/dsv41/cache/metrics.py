@@ -200,6 +200,10 @@ class CacheMetrics:
         self.evictions = r.counter(p + "evictions_total", "entries removed from a tier", ["tier", "cause"])
         self.checksum_failures = r.counter(p + "checksum_failures_total",
                                            "persistent records that failed verification on read, by kind", ["kind"])
+        self.read_errors = r.counter(p + "read_errors_total",
+                                     "reads that failed without proving a record damaged (an I/O error, a short "
+                                     "read, a file that would not open, the device path): a miss, nothing removed",
+                                     ["tier", "kind"])
         self.collisions = r.counter(p + "collisions_total",
                                     "hash matches whose token ids or key differed (a miss, never served)", ["tier"])
         self.persist_failures = r.counter(p + "persist_failures_total",

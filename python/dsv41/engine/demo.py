@@ -98,111 +98,112 @@ def run_demo(args, out=None, err=None) -> dict:
                      store_durability="none", store_direct_io=False,
                      remote_blocks=args.remote_blocks, remote_snapshots=args.remote_snapshots,
                      remote_lookup_timeout_s=args.remote_timeout_ms / 1e3, remote_snapshot_ttl_s=ttl)
-    cache = PrefixCache.for_model(model, cc, clock=clock)
-    if cache.remote is not None:
-        ok = cache.remote.wait_connected(10.0)
-        progress(f"[demo] remote tier: blocks {args.remote_blocks}, snapshots {args.remote_snapshots}"
-                 f"{'' if ok else ' (not reachable yet: lookups miss until it is)'}")
-    # Encoder replay over cached global KV needs every compressor's state at a block
-    # boundary to be a function of the cached entries; V4's overlapping windows carry the
-    # previous block's projections, so V4 models resume from SWA snapshots (after the TTL
-    # from their SWA checkpoints on the SSD, cache/swa_checkpoints.py) or recompute.
-    replay = "off" if config.overlap_compress_ratios else "bounded"
-    engine = Engine(model, cache=cache, replay=replay, max_batch=args.conversations)
-    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    shared, convs = _workload(args, config.vocab_size)
-    progress(f"[demo] cache dir {root} (block {args.block_tokens} tokens, SWA TTL {ttl:g} s); "
-             f"{len(convs)} conversations x {args.turns} turns, shared prefix {len(shared)} tokens")
+    # Closed on every way out (an error included): its queued SSD writes are committed and
+    # its threads stopped, so the process exits with its own status.
+    with PrefixCache.for_model(model, cc, clock=clock) as cache:
+        if cache.remote is not None:
+            ok = cache.remote.wait_connected(10.0)
+            progress(f"[demo] remote tier: blocks {args.remote_blocks}, snapshots {args.remote_snapshots}"
+                     f"{'' if ok else ' (not reachable yet: lookups miss until it is)'}")
+        # Encoder replay over cached global KV needs every compressor's state at a block
+        # boundary to be a function of the cached entries; V4's overlapping windows carry the
+        # previous block's projections, so V4 models resume from SWA snapshots (after the TTL
+        # from their SWA checkpoints on the SSD, cache/swa_checkpoints.py) or recompute.
+        replay = "off" if config.overlap_compress_ratios else "bounded"
+        engine = Engine(model, cache=cache, replay=replay, max_batch=args.conversations)
+        sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+        shared, convs = _workload(args, config.vocab_size)
+        progress(f"[demo] cache dir {root} (block {args.block_tokens} tokens, SWA TTL {ttl:g} s); "
+                 f"{len(convs)} conversations x {args.turns} turns, shared prefix {len(shared)} tokens")
 
-    # The agent framework warms the shared prefix once: its blocks and the SWA snapshot at
-    # its end let every conversation's first turn resume exactly.
-    warm = engine.generate([shared], SamplingParams(max_new_tokens=1), namespace="demo")[0]
-    progress(f"[demo] shared prefix warm-up: {warm.stats.path}, prefill "
-             f"{warm.stats.prefill_tokens} tokens, TTFT {warm.stats.ttft_s * 1e3:.1f} ms")
+        # The agent framework warms the shared prefix once: its blocks and the SWA snapshot at
+        # its end let every conversation's first turn resume exactly.
+        warm = engine.generate([shared], SamplingParams(max_new_tokens=1), namespace="demo")[0]
+        progress(f"[demo] shared prefix warm-up: {warm.stats.path}, prefill "
+                 f"{warm.stats.prefill_tokens} tokens, TTFT {warm.stats.ttft_s * 1e3:.1f} ms")
 
-    # Timeline: every round, each conversation takes a turn; conversations with an odd index
-    # take a break longer than the TTL before their last turn (their snapshots expire).
-    history = [list(shared) for _ in convs]
-    turns_out: list[dict] = []
-    expired_prompts: list[tuple[int, list[int]]] = []
-    for r in range(args.turns):
-        late = r == args.turns - 1 and args.turns > 1
-        batch = [c for c in range(len(convs)) if not (late and c % 2)]
-        groups = [batch]
-        if late:
-            groups.append([c for c in range(len(convs)) if c % 2])
-        for gi, group in enumerate(groups):
-            if not group:
-                continue
-            if gi == 1:
-                clock.offset += ttl + 1.0
-                progress(f"[demo] {ttl + 1:g} s pass (clock): SWA snapshots expire")
-            prompts = [history[c] + convs[c][r][1] for c in group]
-            outs = engine.generate(prompts, sp, namespace="demo")
-            for c, prompt, o in zip(group, prompts, outs):
-                s = o.stats
-                rec = {"conversation": c, "turn": r, "kind": convs[c][r][0],
-                       "after_break": gi == 1, "prompt_tokens": s.prompt_tokens, "path": s.path,
-                       "gpu_hit_tokens": s.gpu_hit_tokens, "ssd_hit_tokens": s.ssd_hit_tokens,
-                       "swa_hit_tokens": s.swa_hit_tokens, "replayed_tokens": s.replayed_tokens,
-                       "prefill_tokens": s.prefill_tokens, "ttft_ms": s.ttft_s * 1e3,
-                       "decode_tok_s": s.decode_tokens_per_s, "output_tokens": o.output_tokens}
-                turns_out.append(rec)
-                if s.path == "encoder_replay":
-                    expired_prompts.append((c, prompt))
-                history[c] = prompt + o.output_tokens
-                progress(f"[demo] conv {c} turn {r} ({rec['kind']}{', after break' if gi else ''}): "
-                         f"{s.path:<14} prompt {s.prompt_tokens:>4}  hit gpu/ssd/swa "
-                         f"{s.gpu_hit_tokens}/{s.ssd_hit_tokens}/{s.swa_hit_tokens}  replayed "
-                         f"{s.replayed_tokens:>3}  prefill {s.prefill_tokens:>4}  TTFT "
-                         f"{s.ttft_s * 1e3:7.1f} ms")
+        # Timeline: every round, each conversation takes a turn; conversations with an odd index
+        # take a break longer than the TTL before their last turn (their snapshots expire).
+        history = [list(shared) for _ in convs]
+        turns_out: list[dict] = []
+        expired_prompts: list[tuple[int, list[int]]] = []
+        for r in range(args.turns):
+            late = r == args.turns - 1 and args.turns > 1
+            batch = [c for c in range(len(convs)) if not (late and c % 2)]
+            groups = [batch]
+            if late:
+                groups.append([c for c in range(len(convs)) if c % 2])
+            for gi, group in enumerate(groups):
+                if not group:
+                    continue
+                if gi == 1:
+                    clock.offset += ttl + 1.0
+                    progress(f"[demo] {ttl + 1:g} s pass (clock): SWA snapshots expire")
+                prompts = [history[c] + convs[c][r][1] for c in group]
+                outs = engine.generate(prompts, sp, namespace="demo")
+                for c, prompt, o in zip(group, prompts, outs):
+                    s = o.stats
+                    rec = {"conversation": c, "turn": r, "kind": convs[c][r][0],
+                           "after_break": gi == 1, "prompt_tokens": s.prompt_tokens, "path": s.path,
+                           "gpu_hit_tokens": s.gpu_hit_tokens, "ssd_hit_tokens": s.ssd_hit_tokens,
+                           "swa_hit_tokens": s.swa_hit_tokens, "replayed_tokens": s.replayed_tokens,
+                           "prefill_tokens": s.prefill_tokens, "ttft_ms": s.ttft_s * 1e3,
+                           "decode_tok_s": s.decode_tokens_per_s, "output_tokens": o.output_tokens}
+                    turns_out.append(rec)
+                    if s.path == "encoder_replay":
+                        expired_prompts.append((c, prompt))
+                    history[c] = prompt + o.output_tokens
+                    progress(f"[demo] conv {c} turn {r} ({rec['kind']}{', after break' if gi else ''}): "
+                             f"{s.path:<14} prompt {s.prompt_tokens:>4}  hit gpu/ssd/swa "
+                             f"{s.gpu_hit_tokens}/{s.ssd_hit_tokens}/{s.swa_hit_tokens}  replayed "
+                             f"{s.replayed_tokens:>3}  prefill {s.prefill_tokens:>4}  TTFT "
+                             f"{s.ttft_s * 1e3:7.1f} ms")
 
-    # Replay on vs off: the replayed turns again, recomputing the prefix instead (the
-    # snapshots they wrote are dropped first by letting the clock pass the TTL again).
-    compare = []
-    if expired_prompts:
-        clock.offset += ttl + 1.0
-        progress(f"[demo] replay off: {len(expired_prompts)} replayed turns again, recomputed")
-        off = Engine(model, cache=cache, replay="off")
-        for c, prompt in expired_prompts:
-            on_rec = next(t for t in turns_out if t["conversation"] == c and t["path"] == "encoder_replay"
-                          and t["prompt_tokens"] == len(prompt))
-            o = off.generate([prompt], sp, namespace="demo")[0]
-            compare.append({"conversation": c, "prompt_tokens": len(prompt),
-                            "replay_on": {"prefill_tokens": on_rec["prefill_tokens"], "ttft_ms": on_rec["ttft_ms"]},
-                            "replay_off": {"path": o.stats.path, "prefill_tokens": o.stats.prefill_tokens,
-                                           "ttft_ms": o.stats.ttft_s * 1e3},
-                            "same_first_token": o.output_tokens[:1] == on_rec["output_tokens"][:1]})
+        # Replay on vs off: the replayed turns again, recomputing the prefix instead (the
+        # snapshots they wrote are dropped first by letting the clock pass the TTL again).
+        compare = []
+        if expired_prompts:
+            clock.offset += ttl + 1.0
+            progress(f"[demo] replay off: {len(expired_prompts)} replayed turns again, recomputed")
+            off = Engine(model, cache=cache, replay="off")
+            for c, prompt in expired_prompts:
+                on_rec = next(t for t in turns_out if t["conversation"] == c and t["path"] == "encoder_replay"
+                              and t["prompt_tokens"] == len(prompt))
+                o = off.generate([prompt], sp, namespace="demo")[0]
+                compare.append({"conversation": c, "prompt_tokens": len(prompt),
+                                "replay_on": {"prefill_tokens": on_rec["prefill_tokens"], "ttft_ms": on_rec["ttft_ms"]},
+                                "replay_off": {"path": o.stats.path, "prefill_tokens": o.stats.prefill_tokens,
+                                               "ttft_ms": o.stats.ttft_s * 1e3},
+                                "same_first_token": o.output_tokens[:1] == on_rec["output_tokens"][:1]})
 
-    if cache.remote is not None:
-        cache.remote.flush(10.0)  # the next run (or server) should find this run's writes
-    stats = cache.stats()
-    m = stats["metrics"]
-    prompt_total = sum(t["prompt_tokens"] for t in turns_out)
-    prefill_total = sum(t["prefill_tokens"] for t in turns_out)
-    paths: dict[str, int] = {}
-    for t in turns_out:
-        paths[t["path"]] = paths.get(t["path"], 0) + 1
-    summary = {
-        "model": config.name, "cache_dir": str(root), "turns": len(turns_out), "paths": paths,
-        "hit_rate": stats["hit_rate"],
-        "prompt_tokens": prompt_total, "prefill_tokens": prefill_total,
-        "prefill_tokens_saved": prompt_total - prefill_total,
-        "replayed_tokens": sum(t["replayed_tokens"] for t in turns_out),
-        "warmup": {"path": warm.stats.path, "prefill_tokens": warm.stats.prefill_tokens,
-                   "ssd_hit_tokens": warm.stats.ssd_hit_tokens, "ttft_ms": warm.stats.ttft_s * 1e3},
-        "bytes": {"global_kv_gpu_pool": stats["gpu"]["cached_blocks"] * stats["gpu"]["block_bytes"],
-                  "swa_snapshots_host": stats["swa"]["used_bytes"] if stats["swa"] else 0,
-                  "global_kv_ssd": stats["ssd"]["live_bytes"] if stats["ssd"] else 0,
-                  "swa_checkpoints_ssd": (stats["swa_checkpoints"]["bytes_on_disk"]
-                                          if stats["swa_checkpoints"] else 0),
-                  "global_kv_per_token": cache.layout.block_bytes // cache.block_tokens,
-                  "read": {k: v for k, v in m.get("bytes_read", {}).items()} if isinstance(m, dict) else {},
-                  "written": {k: v for k, v in m.get("bytes_written", {}).items()} if isinstance(m, dict) else {}},
-        "metrics": m, "replay_on_vs_off": compare,
-        "wall_s": time.perf_counter() - t_start,
-    }
-    cache.close()
+        if cache.remote is not None:
+            cache.remote.flush(10.0)  # the next run (or server) should find this run's writes
+        stats = cache.stats()
+        m = stats["metrics"]
+        prompt_total = sum(t["prompt_tokens"] for t in turns_out)
+        prefill_total = sum(t["prefill_tokens"] for t in turns_out)
+        paths: dict[str, int] = {}
+        for t in turns_out:
+            paths[t["path"]] = paths.get(t["path"], 0) + 1
+        summary = {
+            "model": config.name, "cache_dir": str(root), "turns": len(turns_out), "paths": paths,
+            "hit_rate": stats["hit_rate"],
+            "prompt_tokens": prompt_total, "prefill_tokens": prefill_total,
+            "prefill_tokens_saved": prompt_total - prefill_total,
+            "replayed_tokens": sum(t["replayed_tokens"] for t in turns_out),
+            "warmup": {"path": warm.stats.path, "prefill_tokens": warm.stats.prefill_tokens,
+                       "ssd_hit_tokens": warm.stats.ssd_hit_tokens, "ttft_ms": warm.stats.ttft_s * 1e3},
+            "bytes": {"global_kv_gpu_pool": stats["gpu"]["cached_blocks"] * stats["gpu"]["block_bytes"],
+                      "swa_snapshots_host": stats["swa"]["used_bytes"] if stats["swa"] else 0,
+                      "global_kv_ssd": stats["ssd"]["live_bytes"] if stats["ssd"] else 0,
+                      "swa_checkpoints_ssd": (stats["swa_checkpoints"]["bytes_on_disk"]
+                                              if stats["swa_checkpoints"] else 0),
+                      "global_kv_per_token": cache.layout.block_bytes // cache.block_tokens,
+                      "read": {k: v for k, v in m.get("bytes_read", {}).items()} if isinstance(m, dict) else {},
+                      "written": {k: v for k, v in m.get("bytes_written", {}).items()} if isinstance(m, dict) else {}},
+            "metrics": m, "replay_on_vs_off": compare,
+            "wall_s": time.perf_counter() - t_start,
+        }
     result = {"turns": turns_out, "summary": summary}
     if args.json:
         print(json.dumps(result, indent=2, default=str), file=out)

@@ -63,6 +63,14 @@ class Engine:
                          "preemptions": 0}
         self.paths = {p: 0 for p in ("cold", "both_hit", "encoder_replay", "recompute")}
 
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Closes the engine's cache (its queued SSD writes are committed); the model stays."""
+        if self.cache is not None:
+            self.cache.close()
+
     # ---- requests -----------------------------------------------------------------------
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, *, namespace: str = "",

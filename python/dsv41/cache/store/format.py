@@ -325,7 +325,8 @@ _JOURNAL_DTYPE = np.dtype({"names": ["crc", "kind", "rid", "t", "aux"], "formats
 
 def encode_journal_many(kind: int, record_ids, time_ns: int) -> bytes:
     """encode_journal for many records at one time, in one pass (a load's access times: a
-    64K-token prefix touches a thousand records, ~0.7 us each one by one)."""
+    64K-token prefix touches a thousand records; docs/cache.md, "TTL, LRU, capacity and
+    GC", has the cost of each way)."""
     e = np.zeros(len(record_ids), _JOURNAL_DTYPE)
     e["kind"], e["rid"], e["t"] = kind, record_ids, time_ns
     raw = e.view(np.uint8)

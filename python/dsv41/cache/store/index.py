@@ -7,6 +7,7 @@ block has parent 0 and is told apart by its key (kept once per distinct key).
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 __all__ = ["SegmentFile", "StoredRecord", "RecordIndex"]
 
@@ -79,9 +80,10 @@ class RecordIndex:
     """Record id -> StoredRecord, plus the two ways to walk between records. Both of those
     map a key to one id (an int) or, rarely, to a list of several: almost every record has
     one child, and an int is not a container the garbage collector tracks, where a list or
-    set per record was two more tracked objects each. A full collection walks every
-    tracked object (0.3-0.5 us each on the development VM): with a list and a set per
-    record, an index of 1M records made each one pause the process ~570 ms."""
+    set per record was two more tracked objects each. Invariant: one tracked object per
+    record (its StoredRecord), since a full collection walks every tracked object and
+    stalls every thread meanwhile (docs/cache.md, Known limits, has what that costs;
+    tests/cache/test_record_index.py holds the bound)."""
 
     def __init__(self):
         self.recs: dict[int, StoredRecord] = {}
@@ -156,22 +158,26 @@ class RecordIndex:
             if rid in self.recs:
                 self.remove(self.recs[rid])
 
-    def add_rows(self, rows: list[StoredRecord], counts: dict) -> None:
+    def add_rows(self, rows: list[StoredRecord], counts: dict,
+                 same_bytes: Callable[[StoredRecord, StoredRecord], bool]) -> None:
         """Indexes one segment's records (recovery and refresh). A record id that is
-        already indexed is either the same record twice (identical identity: only a
-        damaged supersedes list causes that; the newer copy is kept) or two records that
-        share an id: two stores merged into one directory. Then neither copy can be
-        trusted (a chain could continue into the other store's records): both are
-        dropped, and so is any later record with that id; their children become orphans."""
+        already indexed is either the same record twice (a compaction's verbatim copy
+        whose superseded list was lost: same identity, same creation time, and
+        same_bytes() finds their headers byte-identical, data CRC included; the newer
+        copy is kept) or two records that share an id: two stores merged into one
+        directory. Their identities can agree (a weak hash collides, and then so does the
+        parent hash that should stop a chain from continuing into the other store), so
+        only the bytes tell them apart. Neither copy can be trusted: both are dropped, and
+        so is any later record with that id; their children become orphans."""
         for r in rows:
             if r.rid in self.colliding:
                 counts["colliding_records"] += 1
                 continue
             old = self.recs.get(r.rid)
             if old is not None:
-                same = (old.parent, old.hash, old.block_index, old.key_id) == (r.parent, r.hash, r.block_index,
-                                                                              r.key_id)
-                if same and old.seg is not r.seg:
+                same = (old.parent, old.hash, old.block_index, old.key_id, old.created_ns) == \
+                    (r.parent, r.hash, r.block_index, r.key_id, r.created_ns)
+                if same and old.seg is not r.seg and same_bytes(old, r):
                     counts["duplicate_records"] += 1
                     if old.seg.seq > r.seg.seq:
                         continue

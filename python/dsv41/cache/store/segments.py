@@ -43,6 +43,24 @@ class SegmentLoader:
                  unusable: Callable[[str, OSError], None]):
         self.dir, self.identity, self.index, self.counts, self.unusable = directory, identity, index, counts, unusable
 
+    def same_bytes(self, a: StoredRecord, b: StoredRecord) -> bool:
+        """Whether two index entries lead to byte-identical record headers (identity,
+        creation time, data CRC, header CRC): one record copied verbatim, not two records
+        that share an id. False when either cannot be read."""
+        heads = []
+        for r in (a, b):
+            try:
+                fd = _files.open_regular(self.dir / r.seg.name, os.O_RDONLY)
+            except OSError:
+                return False
+            try:
+                heads.append(read_exact(fd, r.offset, sf.REC_HEADER_BYTES))
+            except OSError:
+                return False
+            finally:
+                os.close(fd)
+        return len(heads[0]) == sf.REC_HEADER_BYTES and heads[0] == heads[1]
+
     def load(self, name: str, seq: int, uuid: bytes):
         """(segment, header, records) of one segment file, or None when it is gone, not a
         regular file, or another store's."""

@@ -7,79 +7,84 @@ regular files, record ids claimed by two different records.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
 from ..hashing import BlockHasher
 from . import format as sf
-from . import reads
+from .commit import Committer
+from .fds import SegmentFds
 from .index import StoredRecord
-
-if TYPE_CHECKING:
-    from .store import PersistentStore
+from .plan import DAMAGED
+from .reads import READ_BATCH, RecordReader
+from .staging import StagingPool
+from .state import StoreState
 
 __all__ = ["verify"]
 
 
-def verify(store: PersistentStore, progress: Callable[[int, int], None] | None = None, repair: bool = False) -> dict:
+def verify(state: StoreState, fds: SegmentFds, staging: StagingPool, reader: RecordReader,
+           committer: Committer | None, hash_fn: Callable[[bytes], bytes] | None,
+           progress: Callable[[int, int], None] | None = None, repair: bool = False) -> dict:
     """Reads and checks every record (header and data CRC, identity, chain links, and the
-    block hash when the hash function is known). With repair (writer only) failed
-    records are removed; without it they are only reported."""
+    block hash when the hash function is known). With repair (writer only) records whose
+    bytes proved damaged are removed; without it they are only reported. A read that
+    failed (an I/O error: "io") is reported and never repaired."""
     if repair:
-        store._check_writable()
-        store._drain_seals()  # check what is committed, including commits still sealing
-    with store._lock:
-        recs = sorted(store._ix.recs.values(), key=lambda r: (r.seg.seq, r.offset))
+        state.check_writable()
+        committer.drain()  # check what is committed, including commits still sealing
+    with state.lock:
+        recs = sorted(state.index.recs.values(), key=lambda r: (r.seg.seq, r.offset))
         hashes = {r.rid: r.hash for r in recs}
-    hasher = None if store.hash_fn is None else BlockHasher(store.identity.block_tokens, store.hash_fn,
-                                                            store.identity.hash_name)
+    hasher = None if hash_fn is None else BlockHasher(state.identity.block_tokens, hash_fn, state.identity.hash_name)
     total = sum(r.span for r in recs)
     report = {"records": len(recs), "bytes": total, "ok": 0, "failed": {}, "failed_records": [],
-              "damaged_segments": sum(1 for s in store._segs.values() if s.damaged),
+              "damaged_segments": sum(1 for s in state.segments.values() if s.damaged),
               # Problems found while opening: segments of another store (a manifest
               # rewritten for another model makes every segment foreign), names that are
               # links, FIFOs or directories, record ids claimed by two different records.
-              "foreign_segments": store.counts["foreign_segments"],
-              "unusable_files": list(store.unusable),
-              "colliding_records": store.counts["colliding_records"],
-              "hash_checked": store.hash_fn is not None}
+              "foreign_segments": state.counts["foreign_segments"],
+              "unusable_files": list(state.unusable),
+              "colliding_records": state.counts["colliding_records"],
+              "hash_checked": hash_fn is not None}
     done_bytes = 0
     i = 0
     while i < len(recs):
         batch, size = [], 0
-        while i < len(recs) and (not batch or size + recs[i].span <= reads.READ_BATCH):
+        while i < len(recs) and (not batch or size + recs[i].span <= READ_BATCH):
             batch.append(recs[i])
             size += recs[i].span
             i += 1
-        with store._reading():
-            status, item, where = reads.read_checked(store, batch, None, None, None)
+        with fds.reading():
+            status, item, where = reader.read_checked(batch, None, None, None)
         view = item[1]
         for j, (r, st) in enumerate(zip(batch, status)):
             off = where.get(j)
             if st == "ok":
-                st = _verify_links(store, r, view, off, hashes, hasher)
+                st = _verify_links(r, view, off, hashes, hasher)
             if st == "ok":
                 report["ok"] += 1
             else:
                 report["failed"][st] = report["failed"].get(st, 0) + 1
                 report["failed_records"].append({"record_id": r.rid, "segment": r.seg.name,
                                                  "offset": r.offset, "problem": st})
-                store.metrics.checksum_failures.inc(kind=st)
-                if repair:
-                    store._delete(r.rid, "corruption")
+                if st != "io":  # an I/O error is counted in read_errors: nothing proven
+                    state.metrics.checksum_failures.inc(kind=st)
+                if repair and (st in DAMAGED or st == "hash"):
+                    state.delete(r.rid, "corruption")
             done_bytes += r.span
-        store._put_staging(item)
+        staging.put(item)
         if progress is not None:
             progress(done_bytes, total)
     if repair:
-        store._journal.flush()
-    report["corrupt"] = len(report["failed_records"])
+        state.journal.flush()
+    # "io": the read failed and proved nothing, so it is not corruption.
+    report["corrupt"] = sum(1 for f in report["failed_records"] if f["problem"] != "io")
     return report
 
 
-def _verify_links(store: PersistentStore, r: StoredRecord, view: np.ndarray, off: int, hashes: dict,
-                  hasher: BlockHasher | None) -> str:
+def _verify_links(r: StoredRecord, view: np.ndarray, off: int, hashes: dict, hasher: BlockHasher | None) -> str:
     h = view[off: off + sf.REC_HEADER_BYTES].view(sf.REC_DTYPE)[0]
     hb = int(h["hash_bytes"])
     parent_hash = bytes(h["parent_hash"])[:hb]
