@@ -262,6 +262,53 @@ def test_calls_run_on_one_warm_worker_and_overflow_while_it_hangs():
     g.close()
 
 
+_HUNG_EXIT_CHILD = """
+import sys, threading
+from dsv41.cache import MetricsRegistry
+from dsv41.cache.remote import Guarded, RemoteBackend, RemoteMetrics, RemoteUnavailable
+
+class Hung(RemoteBackend):
+    scheme = "hung"
+    def exists(self, keys):
+        threading.Event().wait()   # never returns
+    get = put = remove = exists
+
+g = Guarded(Hung("hung://"), RemoteMetrics(MetricsRegistry()), workers=2)
+assert g.wait_connected(5)
+for _ in range(3):
+    try:
+        g.call("exists", 0.05, ["k"])
+    except RemoteUnavailable:
+        pass
+g.close(timeout_s=0.1)
+print("closed", flush=True)
+"""
+
+
+
+def test_a_process_exits_at_once_with_calls_stuck_in_workers():
+    """Calls that never return keep their worker threads; the process still exits as soon
+    as its main thread ends (the workers are daemon threads: the interpreter joined
+    concurrent.futures' workers at exit, and a process waited for every stuck call)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import dsv41
+    import os
+    env = dict(os.environ, PYTHONPATH=str(Path(dsv41.__file__).resolve().parents[1]))
+    p = subprocess.Popen([sys.executable, "-c", _HUNG_EXIT_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        out, err = p.communicate(timeout=30)   # the imports: a few seconds on a busy machine
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        pytest.fail("the process did not exit with calls stuck in its workers")
+    assert p.returncode == 0 and out.strip() == "closed", err
+
+
+
 def test_cxx_sha256_and_chain_ids_equal_the_python_definitions():
     """The C++ SHA-256 (SHA extensions and portable code) equals hashlib at every padding
     edge, and the C++ chain ids equal _chain_step bit for bit: random token ids over the

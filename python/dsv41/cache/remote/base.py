@@ -2,11 +2,12 @@
 
 A backend (Mooncake Store, Redis) implements four blocking batch operations on opaque
 bytes under string keys. `Guarded` wraps one backend for the cache: every call runs in a
-small worker pool and is waited for at most its deadline (a backend call that hangs, as a
-Mooncake client does for ~4.3 s when its master is gone, keeps its worker thread but not
-the request), and a circuit breaker stops calling a backend that keeps failing and probes
-it again after a cooldown. A fault of any kind is reported as RemoteUnavailable, which
-the tier counts and treats as a miss.
+small pool of daemon worker threads and is waited for at most its deadline (a call that
+hangs, as a Mooncake client's does when its master is gone, keeps its worker but not the
+request, and never holds up the process's exit), and a circuit breaker stops calling a
+backend that keeps failing and probes it again after a cooldown. A fault of any kind is
+reported as RemoteUnavailable, which the tier counts and treats as a miss. How long each
+of these takes, measured: docs/remote.md.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Callable, Sequence
 
 from .breaker import CircuitBreaker
 from .metrics import RemoteMetrics
+from .workers import DaemonWorkers
 
 __all__ = ["RemoteBackend", "RemoteError", "RemoteFull", "RemoteTimeout", "RemoteUnavailable", "Guarded"]
 
@@ -115,13 +117,11 @@ class Guarded:
                                       on_change=lambda s: metrics.breaker_state.set(s, backend=self.name))
         metrics.breaker_state.set(0, backend=self.name)
         # Calls run on one primary worker while it is free, and on the others only while it
-        # is busy (a hung call): the same warm thread every time took 85-120 us less per
-        # Mooncake get of 32 blocks (1.5-2.4 ms) than whichever of four pooled threads woke
-        # (p50 of 150-200 calls alternated with the raw client's, one process, loopback).
-        self._primary = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dsv41-remote-{self.name}-0")
+        # is busy (a hung call): the same warm thread every time is faster than whichever
+        # pooled thread wakes (docs/remote.md).
+        self._primary = DaemonWorkers(1, f"dsv41-remote-{self.name}-0")
         self._primary_busy = False
-        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, workers - 1),
-                                           thread_name_prefix=f"dsv41-remote-{self.name}")
+        self._pool = DaemonWorkers(max(1, workers - 1), f"dsv41-remote-{self.name}")
         self._busy = 0
         self._workers = workers
         self._lock = threading.Lock()
@@ -219,9 +219,10 @@ class Guarded:
     def close(self, timeout_s: float = 1.0) -> None:
         """Closes the backend, waiting at most timeout_s. A client must not be closed under
         a call still running in a worker (Mooncake's segfaults): when calls hang past the
-        wait, the client is left to be freed with the last reference to it instead."""
-        self._primary.shutdown(wait=False, cancel_futures=True)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        wait, the client is left to be freed with the last reference to it instead. The
+        workers are daemon threads: one stuck in a call does not hold up the exit."""
+        self._primary.shutdown()
+        self._pool.shutdown()
         end = time.monotonic() + timeout_s
         while self._busy and time.monotonic() < end:
             time.sleep(0.01)
