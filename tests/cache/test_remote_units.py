@@ -309,6 +309,67 @@ def test_a_process_exits_at_once_with_calls_stuck_in_workers():
 
 
 
+def test_redis_reply_reader_parses_resp2_and_resp3_in_any_pieces_within_the_deadline():
+    """_Reader.reply (every Redis call's replies): simple, error, integer, bulk, null and
+    array replies of RESP2 and RESP3, arriving in any pieces; a malformed one raises
+    ConnectionError; a peer that sends one byte at a time stops the read at its deadline
+    (the whole read, not each receive)."""
+    import socket
+
+    import redis
+
+    from dsv41.cache.remote.redis import _Reader
+
+    big = np.random.default_rng(2).bytes(200_000)
+    replies = [(b"+OK\r\n", b"OK"), (b":42\r\n", 42), (b":-7\r\n", -7), (b"$-1\r\n", None), (b"_\r\n", None),
+               (b"$0\r\n\r\n", b""), (b"$5\r\na\r\nbc\r\n", b"a\r\nbc"),
+               (b"$%d\r\n%s\r\n" % (len(big), big), big), (b"*-1\r\n", None),
+               (b"*3\r\n$1\r\nx\r\n$-1\r\n:1\r\n", [b"x", None, 1]), (b"*2\r\n*1\r\n+a\r\n_\r\n", [[b"a"], None])]
+    stream = b"".join(r for r, _ in replies)
+    for pieces, seed in ((1, 0), (9, 1), (500, 2)):
+        a, b, t = _serve(stream, pieces, seed)
+        try:
+            rd = _Reader(a, time.monotonic() + 10)
+            assert [rd.reply() for _ in replies] == [v for _, v in replies]
+            assert rd.pending == 0
+        finally:
+            t.join(10)
+            a.close()
+            b.close()
+    for bad, exc in ((b"-ERR nope\r\n", redis.ResponseError), (b"?1\r\n", redis.ConnectionError),
+                     (b":x\r\n", redis.ConnectionError), (b"$3\r\nabcXY", redis.ConnectionError)):
+        a, b, t = _serve(bad, 1)
+        t.join(10)
+        try:
+            with pytest.raises(exc):
+                _Reader(a, time.monotonic() + 1).reply()
+        finally:
+            a.close()
+            b.close()
+    a, b = socket.socketpair()
+    stop = threading.Event()
+
+    def drip():   # a value of 100 bytes, one byte every 5 ms: 0.5 s in all
+        b.sendall(b"$100\r\n")
+        for _ in range(100):
+            if stop.wait(0.005):
+                return
+            b.sendall(b"x")
+
+    t = threading.Thread(target=drip, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(redis.TimeoutError):
+            _Reader(a, t0 + 0.1).reply()
+        assert time.monotonic() - t0 < 0.1 + 0.05
+    finally:
+        stop.set()
+        t.join(10)
+        a.close()
+        b.close()
+
+
 def test_cxx_sha256_and_chain_ids_equal_the_python_definitions():
     """The C++ SHA-256 (SHA extensions and portable code) equals hashlib at every padding
     edge, and the C++ chain ids equal _chain_step bit for bit: random token ids over the
@@ -381,6 +442,9 @@ def test_redis_send_gathers_chunks_and_resumes_partial_sends():
         def __init__(self, most, fail=None):
             self.most, self.got, self.calls, self.fail = most, bytearray(), [], fail
 
+        def settimeout(self, t):
+            assert 0 < t <= 10
+
         def sendmsg(self, bufs):
             if self.fail:
                 raise self.fail
@@ -401,32 +465,35 @@ def test_redis_send_gathers_chunks_and_resumes_partial_sends():
     want = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
     for most in (1, 1000, 65536, 1 << 30):
         s = Trickle(most)
-        _send(s, chunks)
+        _send(s, chunks, time.monotonic() + 10)
         assert bytes(s.got) == want, most
     s = Trickle(1 << 30)
-    _send(s, chunks)
+    _send(s, chunks, time.monotonic() + 10)
     assert s.calls == [_IOV_MAX, _IOV_MAX, len(chunks) - 1 - 2 * _IOV_MAX]   # the empty chunk is not sent
     with pytest.raises(redis.TimeoutError):
-        _send(Trickle(10, fail=socket.timeout("timed out")), chunks)
+        _send(Trickle(10, fail=socket.timeout("timed out")), chunks, time.monotonic() + 10)
     with pytest.raises(redis.ConnectionError):
-        _send(Trickle(10, fail=ConnectionResetError(104, "reset")), chunks)
+        _send(Trickle(10, fail=ConnectionResetError(104, "reset")), chunks, time.monotonic() + 10)
 
     class Tls(ssl.SSLSocket):   # no sendmsg on TLS: one sendall per chunk
         def __init__(self):
             self.got = bytearray()
 
+        def settimeout(self, t):
+            assert 0 < t <= 10
+
         def sendall(self, data):
             self.got += bytes(memoryview(data).cast("B"))
 
     t = Tls()
-    _send(t, chunks)
+    _send(t, chunks, time.monotonic() + 10)
     assert bytes(t.got) == want
     a, b = socket.socketpair()   # and through a real socket, read on the other side meanwhile
     try:
         got = bytearray()
         reader = threading.Thread(target=lambda: [got.extend(x) for x in iter(lambda: b.recv(1 << 16), b"")])
         reader.start()
-        _send(a, chunks)
+        _send(a, chunks, time.monotonic() + 10)
         a.shutdown(socket.SHUT_WR)
         reader.join(10)
         assert bytes(got) == want
@@ -509,13 +576,12 @@ def test_redis_mget_reply_is_read_into_rows_in_any_pieces():
         finally:
             a.close()
             b.close()
-    a, b, t = _serve(reply, 2, stall=True)   # a server that stops answering: the socket's timeout
-    a.settimeout(0.2)
+    a, b, t = _serve(reply, 2, stall=True)   # a server that stops answering: the deadline
     t0 = time.monotonic()
     try:
         with pytest.raises(redis.TimeoutError):
-            _read_mget_into(a, np.zeros((2, 200), dtype=np.uint8), 2, time.monotonic() + 10)
-        assert time.monotonic() - t0 < 2
+            _read_mget_into(a, np.zeros((2, 200), dtype=np.uint8), 2, t0 + 0.2)
+        assert time.monotonic() - t0 < 0.2 + 0.1
     finally:
         a.close()
         b.close()

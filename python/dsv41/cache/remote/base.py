@@ -1,13 +1,14 @@
 """The remote tier's one small interface, and the guard every call goes through.
 
 A backend (Mooncake Store, Redis) implements four blocking batch operations on opaque
-bytes under string keys. `Guarded` wraps one backend for the cache: every call runs in a
-small pool of daemon worker threads and is waited for at most its deadline (a call that
-hangs, as a Mooncake client's does when its master is gone, keeps its worker but not the
-request, and never holds up the process's exit), and a circuit breaker stops calling a
-backend that keeps failing and probes it again after a cooldown. A fault of any kind is
-reported as RemoteUnavailable, which the tier counts and treats as a miss. How long each
-of these takes, measured: docs/remote.md.
+bytes under string keys. `Guarded` wraps one backend for the cache: no call outlives its
+deadline. A backend that bounds its own calls (Redis) runs them in the caller's thread;
+any other call runs in a small pool of daemon worker threads and is waited for at most its
+deadline (a call that hangs, as a Mooncake client's does when its master is gone, keeps
+its worker but not the request, and never holds up the process's exit). A circuit breaker
+stops calling a backend that keeps failing and probes it again after a cooldown. A fault
+of any kind is reported as RemoteUnavailable, which the tier counts and treats as a miss.
+How long each of these takes, measured: docs/remote.md.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from .breaker import CircuitBreaker
 from .metrics import RemoteMetrics
 from .workers import DaemonWorkers
 
-__all__ = ["RemoteBackend", "RemoteError", "RemoteFull", "RemoteTimeout", "RemoteUnavailable", "Guarded"]
+__all__ = ["RemoteBackend", "RemoteError", "RemoteFull", "RemoteNotReady", "RemoteTimeout", "RemoteUnavailable",
+           "Guarded"]
 
 
 class RemoteError(RuntimeError):
@@ -30,6 +32,11 @@ class RemoteError(RuntimeError):
 
 class RemoteTimeout(RemoteError):
     """A backend that bounds its own calls (bounds_itself) ran out of the call's time."""
+
+
+class RemoteNotReady(RemoteError):
+    """A bounds_itself backend has no open connection at hand for a call in the caller's
+    thread (opening one could outlast the deadline): Guarded runs the call in a worker."""
 
 
 class RemoteFull(RemoteError):
@@ -51,9 +58,11 @@ class RemoteBackend(abc.ABC):
     scheme = ""
     native_ttl = False     # put/get honour ttl_s (else the tier checks a value's age itself)
     keeps_first = False    # a put of an existing key keeps the old value
-    # The backend bounds each call by the time given to it (its operations take timeout_s=
-    # and raise RemoteTimeout): while ready(), Guarded calls it in the caller's thread,
-    # without the worker handoff that a client which can hang (Mooncake's) needs.
+    # The backend bounds each call by the time given to it (its operations take timeout_s=,
+    # raise RemoteTimeout once it has passed, and RemoteNotReady before doing anything when
+    # they would first have to open a connection): Guarded calls it in the caller's thread,
+    # without the worker handoff that a client which can hang (Mooncake's) needs. Called
+    # without timeout_s (in a worker), an operation may take a connection's own timeouts.
     bounds_itself = False
     # put() accepts a value as a tuple of bytes-like parts, stored as their concatenation
     # (the tier then hands it the payload without copying it into the record).
@@ -94,12 +103,6 @@ class RemoteBackend(abc.ABC):
 
     @abc.abstractmethod
     def remove(self, keys: Sequence[str]) -> None: ...
-
-    def ready(self) -> bool:
-        """(bounds_itself backends) A call now needs no set-up that could outlast a lookup's
-        deadline (an open connection is at hand); else Guarded runs it in a worker, where
-        the set-up may finish after the caller stopped waiting, for the next call."""
-        return True
 
     def close(self) -> None:
         pass
@@ -164,8 +167,11 @@ class Guarded:
             raise RemoteUnavailable("breaker_open", self.backend.url)
         t0 = time.perf_counter()
         try:
-            if self.backend.bounds_itself and self.backend.ready():
-                out = getattr(self.backend, op)(*args, timeout_s=timeout_s, **kwargs)
+            if self.backend.bounds_itself:
+                try:
+                    out = getattr(self.backend, op)(*args, timeout_s=timeout_s, **kwargs)
+                except RemoteNotReady:   # no open connection: it is opened in a worker
+                    out = self._in_worker(op, timeout_s - (time.perf_counter() - t0), args, kwargs)
             else:
                 out = self._in_worker(op, timeout_s, args, kwargs)
         except RemoteFull:
@@ -201,7 +207,7 @@ class Guarded:
             raise RemoteUnavailable("busy", "every worker is waiting on the backend")
         fut = (self._primary if primary else self._pool).submit(self._run, op, args, kwargs, primary)
         try:
-            return fut.result(timeout=timeout_s)
+            return fut.result(timeout=max(0.0, timeout_s))
         except cf.TimeoutError:
             self.breaker.failure()
             m.errors.inc(backend=self.name, cause="timeout")
