@@ -161,23 +161,28 @@ def test_snapshot_codec_roundtrip():
 
 
 def test_breaker_opens_probes_and_closes():
+    """Requests pass only while closed; an open breaker asks for one probe per cooldown
+    (half-open while it runs); a failed probe opens it for another cooldown, a good one
+    closes it."""
     now = [0.0]
     states = []
     b = CircuitBreaker(failures=2, cooldown_s=5.0, clock=lambda: now[0], on_change=states.append)
-    assert b.allow()
+    assert b.allow() and not b.begin_probe()
     b.failure()
     assert b.state == CLOSED and b.allow()
     b.failure()
-    assert b.state == OPEN and not b.allow()
+    assert b.state == OPEN and not b.allow() and not b.begin_probe()
     now[0] = 5.1
-    assert b.allow() and b.state == HALF_OPEN   # one probe
-    assert not b.allow()
+    assert b.begin_probe() and b.state == HALF_OPEN and not b.allow()   # one probe
+    assert not b.begin_probe()
     b.failure()
-    assert b.state == OPEN and not b.allow()
+    assert b.state == OPEN and not b.allow() and not b.begin_probe()
     now[0] = 10.2
-    assert b.allow()
+    assert b.begin_probe()
     b.success()
-    assert b.state == CLOSED and states == [OPEN, HALF_OPEN, OPEN, HALF_OPEN, CLOSED]
+    assert b.state == CLOSED and b.allow() and states == [OPEN, HALF_OPEN, OPEN, HALF_OPEN, CLOSED]
+    with pytest.raises(ValueError):
+        CircuitBreaker(cooldown_s=float("nan"))
 
 
 def test_namespace_tags():
@@ -262,6 +267,114 @@ def test_calls_run_on_one_warm_worker_and_overflow_while_it_hangs():
     g.close()
 
 
+class _Flaky(RemoteBackend):
+    """Calls fail while `down` is set; ping() also blocks until `unblock` (a probe that
+    hangs) and counts how many probes ran at once."""
+    scheme = "flaky"
+
+    def __init__(self):
+        super().__init__("flaky://")
+        self.down = True
+        self.unblock = threading.Event()
+        self.pings = self.in_ping = self.most_in_ping = 0
+        self.lock = threading.Lock()
+
+    def exists(self, keys):
+        if self.down:
+            raise ConnectionError("down")
+        return [True] * len(keys)
+
+    get = put = remove = exists
+
+    def ping(self):
+        with self.lock:
+            self.pings += 1
+            self.in_ping += 1
+            self.most_in_ping = max(self.most_in_ping, self.in_ping)
+        try:
+            self.unblock.wait(10)
+            self.exists(["p"])
+        finally:
+            with self.lock:
+                self.in_ping -= 1
+
+
+def test_an_open_breaker_probes_in_a_worker_and_closes_when_the_backend_answers():
+    """While the breaker is open, requests fail at once (none waits for a probe, even one
+    that hangs) and one probe at a time goes out every cooldown; the first probe that
+    succeeds closes the breaker and requests go through again."""
+    m = RemoteMetrics(MetricsRegistry())
+    be = _Flaky()
+    g = Guarded(be, m, workers=3, breaker_failures=2, breaker_cooldown_s=0.05)
+    assert g.wait_connected(5)
+    for _ in range(2):
+        with pytest.raises(RemoteUnavailable, match="error"):
+            g.call("exists", 1.0, ["k"])
+    assert g.breaker.state == OPEN
+    t_end = time.monotonic() + 0.3
+    while time.monotonic() < t_end:        # the first probe hangs in ping(): nobody waits for it
+        t0 = time.perf_counter()
+        with pytest.raises(RemoteUnavailable, match="breaker_open"):
+            g.call("exists", 1.0, ["k"])
+        assert time.perf_counter() - t0 < 0.02
+        time.sleep(0.01)
+    assert be.pings == 1 and g.breaker.state == HALF_OPEN
+    be.unblock.set()                       # probes now fail at once (still down), one per cooldown
+    t_end = time.monotonic() + 0.5
+    while time.monotonic() < t_end:
+        with pytest.raises(RemoteUnavailable):
+            g.call("exists", 1.0, ["k"])
+        time.sleep(0.01)
+    assert 3 <= be.pings <= 12 and be.most_in_ping == 1
+    assert m.errors.value(backend="flaky", cause="probe") == be.pings
+    be.down = False                        # back: a probe closes the breaker within a cooldown or two
+    t0 = time.monotonic()
+    while True:
+        try:
+            assert g.call("exists", 1.0, ["k"]) == [True]
+            break
+        except RemoteUnavailable:
+            assert time.monotonic() - t0 < 0.5
+            time.sleep(0.01)
+    assert g.breaker.state == CLOSED and m.breaker_state.value(backend="flaky") == CLOSED
+    g.close()
+
+
+def test_an_unconnected_backend_is_probed_with_connects():
+    """A backend that never connected: connect attempts are the probes once the breaker
+    opens, one at a time, and the first that succeeds serves the next call."""
+    class NoServer(_Flaky):
+        def __init__(self):
+            super().__init__()
+            self.connects = 0
+
+        def connect(self):
+            self.connects += 1
+            if self.down:
+                raise ConnectionError("refused")
+
+    m = RemoteMetrics(MetricsRegistry())
+    be = NoServer()
+    g = Guarded(be, m, workers=2, breaker_failures=1, breaker_cooldown_s=0.05)
+    end = time.monotonic() + 5
+    while g.breaker.state != OPEN:
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    for _ in range(20):
+        with pytest.raises(RemoteUnavailable, match="connecting"):
+            g.call("exists", 1.0, ["k"])
+        time.sleep(0.01)
+    assert 2 <= be.connects <= 8 and m.errors.value(backend="flaky", cause="connect") == be.connects
+    be.down = False
+    while not g.connected:
+        assert time.monotonic() < end
+        with pytest.raises(RemoteUnavailable):
+            g.call("exists", 1.0, ["k"])
+        time.sleep(0.01)
+    assert g.call("exists", 1.0, ["k"]) == [True] and g.breaker.state == CLOSED
+    g.close()
+
+
 _HUNG_EXIT_CHILD = """
 import sys, threading
 from dsv41.cache import MetricsRegistry
@@ -285,7 +398,6 @@ print("closed", flush=True)
 """
 
 
-
 def test_a_process_exits_at_once_with_calls_stuck_in_workers():
     """Calls that never return keep their worker threads; the process still exits as soon
     as its main thread ends (the workers are daemon threads: the interpreter joined
@@ -306,7 +418,6 @@ def test_a_process_exits_at_once_with_calls_stuck_in_workers():
         p.communicate()
         pytest.fail("the process did not exit with calls stuck in its workers")
     assert p.returncode == 0 and out.strip() == "closed", err
-
 
 
 def test_redis_reply_reader_parses_resp2_and_resp3_in_any_pieces_within_the_deadline():

@@ -6,9 +6,10 @@ deadline. A backend that bounds its own calls (Redis) runs them in the caller's 
 any other call runs in a small pool of daemon worker threads and is waited for at most its
 deadline (a call that hangs, as a Mooncake client's does when its master is gone, keeps
 its worker but not the request, and never holds up the process's exit). A circuit breaker
-stops calling a backend that keeps failing and probes it again after a cooldown. A fault
-of any kind is reported as RemoteUnavailable, which the tier counts and treats as a miss.
-How long each of these takes, measured: docs/remote.md.
+stops calling a backend that keeps failing; while it is open, one cheap probe call at a
+time (in a worker) finds out when the backend is back. A fault of any kind is reported as
+RemoteUnavailable, which the tier counts and treats as a miss. How long each of these
+takes, measured: docs/remote.md.
 """
 from __future__ import annotations
 
@@ -104,6 +105,10 @@ class RemoteBackend(abc.ABC):
     @abc.abstractmethod
     def remove(self, keys: Sequence[str]) -> None: ...
 
+    def ping(self) -> None:
+        """One cheap call that succeeds only when the backend answers (the breaker's probe)."""
+        self.exists(["dsv41:probe"])
+
     def close(self) -> None:
         pass
 
@@ -112,7 +117,7 @@ class Guarded:
     """A backend behind deadlines, a circuit breaker and metrics."""
 
     def __init__(self, backend: RemoteBackend, metrics: RemoteMetrics, *, workers: int = 4,
-                 breaker_failures: int = 3, breaker_cooldown_s: float = 5.0,
+                 breaker_failures: int = 3, breaker_cooldown_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic):
         self.backend, self.metrics = backend, metrics
         self.name = backend.scheme
@@ -121,22 +126,30 @@ class Guarded:
         metrics.breaker_state.set(0, backend=self.name)
         # Calls run on one primary worker while it is free, and on the others only while it
         # is busy (a hung call): the same warm thread every time is faster than whichever
-        # pooled thread wakes (docs/remote.md).
+        # pooled thread wakes (docs/remote.md). Probes and connects run on the others.
         self._primary = DaemonWorkers(1, f"dsv41-remote-{self.name}-0")
         self._primary_busy = False
         self._pool = DaemonWorkers(max(1, workers - 1), f"dsv41-remote-{self.name}")
-        self._busy = 0
+        self._busy = 0          # calls and probes running in a worker (connects excluded)
         self._workers = workers
+        self._probing = False
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._connecting: cf.Future | None = None
         self._start_connect()
 
     def _start_connect(self) -> None:
+        """Starts a connect in a worker unless one is running; while the breaker is open,
+        only when a probe is due (the connect is the probe)."""
         with self._lock:
             if self._connected.is_set() or (self._connecting is not None and not self._connecting.done()):
                 return
-            self._connecting = self._pool.submit(self._connect)
+            if not self.breaker.allow() and not self.breaker.begin_probe():
+                return
+            try:
+                self._connecting = self._pool.submit(self._connect)
+            except RuntimeError:   # closed
+                pass
 
     def _connect(self) -> None:
         try:
@@ -158,11 +171,11 @@ class Guarded:
         """backend.<op>(*args) within timeout_s, or RemoteUnavailable."""
         m = self.metrics
         if not self._connected.is_set():
-            if self.breaker.allow():
-                self._start_connect()
+            self._start_connect()
             m.errors.inc(backend=self.name, cause="connecting")
             raise RemoteUnavailable("connecting", self.backend.url)
         if not self.breaker.allow():
+            self._probe_if_due()
             m.errors.inc(backend=self.name, cause="breaker_open")
             raise RemoteUnavailable("breaker_open", self.backend.url)
         t0 = time.perf_counter()
@@ -221,6 +234,34 @@ class Guarded:
                 self._busy -= 1
                 if primary:
                     self._primary_busy = False
+
+    def _probe_if_due(self) -> None:
+        """Starts one probe (backend.ping()) in a worker when the open breaker is due for
+        one. Requests do not wait for it."""
+        with self._lock:
+            if self._probing or self._busy >= self._workers or not self.breaker.begin_probe():
+                return
+            self._probing = True
+            self._busy += 1
+        try:
+            self._pool.submit(self._probe)
+        except RuntimeError:   # closed meanwhile
+            with self._lock:
+                self._probing = False
+                self._busy -= 1
+
+    def _probe(self) -> None:
+        try:
+            self.backend.ping()
+        except Exception:
+            self.breaker.failure()
+            self.metrics.errors.inc(backend=self.name, cause="probe")
+        else:
+            self.breaker.success()
+        finally:
+            with self._lock:
+                self._probing = False
+                self._busy -= 1
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Closes the backend, waiting at most timeout_s. A client must not be closed under
