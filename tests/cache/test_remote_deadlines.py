@@ -1,8 +1,9 @@
 """Deadlines of the remote tier against real servers on 127.0.0.1 (redis-server, a Mooncake
 master with one storage process), started and stopped here by PID: a stopped (SIGSTOP)
-Redis, a link that trickles 50 KB/s (tests/cache/trickle_proxy.py, a child process), and
-the exit of a process whose Mooncake calls are stuck on a stopped master. redis-py, the
-official client, checks what the backend's own reply parser reads."""
+Redis, a link that trickles 50 KB/s (tests/cache/trickle_proxy.py, a child process), the
+breaker's probe once Redis answers again, and the exit of a process whose Mooncake calls
+are stuck on a stopped master. redis-py, the official client, checks what the backend's
+own reply parser reads."""
 from __future__ import annotations
 
 import contextlib
@@ -18,12 +19,16 @@ import numpy as np
 import pytest
 
 import dsv41
+from dsv41.cache import CacheConfig, PrefixCache
 from dsv41.cache.metrics import MetricsRegistry
 from dsv41.cache.remote import Guarded, RemoteMetrics, RemoteUnavailable
 from dsv41.cache.remote.redis import RedisBackend
+from dsv41.config import ModelConfig
 
 from ..remote_env import local_servers
 
+B = 16
+CONFIG = ModelConfig.preset("v41-tiny")
 # What a call may take beyond its deadline here: scheduling on a shared 2-core machine
 # (the failures these tests catch overran by 2 s and by 5 s).
 SLACK_S = 0.05
@@ -126,6 +131,54 @@ def test_redis_calls_over_a_trickling_link_keep_their_deadline(servers):
         if g is not None:
             g.close()
         raw.close()
+
+
+def test_hits_resume_soon_after_a_stopped_redis_answers_again(servers):
+    """The open breaker probes Redis in the background (one PING in a worker) every
+    remote_breaker_cooldown_s: hits resume within a second of SIGCONT, not when a 5 s
+    cooldown ends, and no lookup waits for the probe."""
+    import torch
+
+    def cache() -> PrefixCache:
+        cc = CacheConfig(block_tokens=B, device="cpu", gpu_capacity_bytes=1 << 24, swa_capacity_bytes=1 << 24,
+                         remote_blocks=servers.snapshots_url, remote_lookup_timeout_s=0.05)
+        c = PrefixCache(CONFIG, cc, weights_id="deadline-weights")
+        assert c.remote.wait_connected(10.0)
+        return c
+
+    a, b = cache(), cache()
+    try:
+        tok = np.random.default_rng(5).integers(0, 30000, size=3 * B, dtype=np.uint32)
+        a.release(a.insert(tok, torch.zeros(3, a.layout.block_bytes, dtype=torch.uint8), namespace="p"))
+        assert a.remote.flush(10.0)
+
+        def lookup() -> int:
+            t0 = time.perf_counter()
+            m = b.match(tok, namespace="p")
+            took = time.perf_counter() - t0
+            n = m.remote_blocks
+            b.release(m)
+            assert took < 0.05 + 3 * B * b.layout.block_bytes / 100e6 + SLACK_S, f"lookup took {took:.3f} s"
+            return n
+
+        with stopped(servers.pids()["redis"]):
+            for _ in range(20):
+                assert lookup() == 0
+                if b.metrics.to_dict()["dsv41_cache_remote_breaker_state"]["backend=redis"] != 0:
+                    break
+            else:
+                pytest.fail("the breaker never opened")
+            t_end = time.monotonic() + 1.0
+            while time.monotonic() < t_end:    # open, probing in the background meanwhile
+                assert lookup() == 0
+                time.sleep(0.02)
+        t0 = time.monotonic()
+        while lookup() != 3:
+            assert time.monotonic() - t0 < 1.0, "no hit within 1 s of redis answering again"
+            time.sleep(0.02)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_backend_replies_agree_with_redis_py(servers):
