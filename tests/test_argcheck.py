@@ -1,14 +1,17 @@
-"""What every command's input goes through: ranged argparse types and the bounded read of a
-regular file."""
+"""What every command's input goes through: ranged argparse types, the bounded read of a
+regular file, and the config-file boundary (config/json_io.read_config_file)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import threading
 
 import pytest
 
 from dsv41.argcheck import FloatRange, IntRange, device, output_dir, read_regular_file
+from dsv41.config import ConfigError, ModelConfig
+from dsv41.config.json_io import CONFIG_MAX_BYTES, CONFIG_MAX_DEPTH, read_config_file
 
 
 def test_int_and_float_ranges():
@@ -64,3 +67,44 @@ def test_read_regular_file_never_blocks_on_a_fifo_or_device(tmp_path):
     assert read_regular_file(big, 101) == b"x" * 101
     with pytest.raises(FileNotFoundError):
         read_regular_file(tmp_path / "missing", 100)
+
+
+def test_read_config_file_checks_the_document_at_the_boundary(tmp_path):
+    good = ModelConfig.preset("v41-tiny").to_hf_dict()
+
+    count = iter(range(1000))
+
+    def write(obj=None, raw=None):
+        p = tmp_path / f"c{next(count)}.json"
+        p.write_bytes(raw if raw is not None else json.dumps(obj).encode())
+        return p
+    assert ModelConfig.from_json(write(good)) == ModelConfig.preset("v41-tiny")
+    nested = {"x": 1}
+    for _ in range(CONFIG_MAX_DEPTH - 2):   # with the top-level object: CONFIG_MAX_DEPTH levels
+        nested = {"x": nested}
+    assert read_config_file(write({**good, "deep": nested}))["deep"]          # exactly the limit
+    edge = json.loads(json.dumps(good))
+    edge["text_config"]["max_position_embeddings"] = 2**53 - 1
+    assert read_config_file(write(edge))
+    cases = {
+        "top level": write([good]), "null": write(raw=b"null"),
+        "nested deeper": write({**good, "deep": {"x": nested}}),
+        "deeper than": write(raw=b"[" * 100_000 + b"]" * 100_000),
+        "out of range": write({**good, "n": -(2**53)}),
+        "NaN": write(raw=json.dumps(good).encode()[:-1] + b', "x": NaN}'),
+        "Infinity": write(raw=b'{"x": -Infinity}'),
+        "not UTF-8": write(raw=b'{"x": "\xff"}'),
+        "not JSON": write(raw=b"{"),
+        "more than": write(raw=b" " * (CONFIG_MAX_BYTES + 1) + b"{}"),
+    }
+    for says, path in cases.items():
+        with pytest.raises(ConfigError, match=says):
+            read_config_file(path)
+    for doc in ([1], None, "x"):
+        with pytest.raises(ConfigError, match="a config is a JSON object"):
+            ModelConfig.from_dict(doc)
+    bad_type = json.loads(json.dumps(good))
+    bad_type["text_config"]["layer_types"] = 5
+    del bad_type["text_config"]["compress_ratios"]
+    with pytest.raises(ConfigError, match="malformed config"):
+        ModelConfig.from_dict(bad_type)

@@ -298,7 +298,8 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path, name: str | None = None) -> ModelConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()), name=name)
+        from .json_io import read_config_file
+        return cls.from_dict(read_config_file(path), name=name)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], name: str | None = None) -> ModelConfig:
