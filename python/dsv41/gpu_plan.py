@@ -46,11 +46,19 @@ class StoredFormat:
         q = quantization_config
         if q is None:
             return cls() if config.name.endswith("flash") else cls("bf16", "bf16")
+        if not isinstance(q, dict):
+            raise ValueError(f"quantization_config: expected an object, got {q!r:.60}")
         if not q:
             return cls("bf16", "bf16")
-        block = int((q.get("weight_block_size") or [128, 128])[0])
-        experts = str(q.get("expert_dtype") or "fp8").lower()
-        return cls("fp8", experts, block)
+        sizes = q.get("weight_block_size") or [128, 128]
+        if not isinstance(sizes, list) or not sizes or not all(
+                isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 1 << 16 for b in sizes):
+            raise ValueError(f"quantization_config.weight_block_size: expected a list of block sizes in "
+                             f"[1, 65536], got {sizes!r:.60}")
+        experts = q.get("expert_dtype") or "fp8"
+        if not isinstance(experts, str) or experts.lower() not in ("fp4", "fp8", "bf16"):
+            raise ValueError(f"quantization_config.expert_dtype: expected fp4, fp8 or bf16, got {experts!r:.60}")
+        return cls("fp8", experts.lower(), sizes[0])
 
     def linear_bytes(self, out_dim: int, in_dim: int, fmt: str) -> int:
         if fmt == "bf16":
