@@ -448,6 +448,7 @@ def test_redis_reply_reader_parses_resp2_and_resp3_in_any_pieces_within_the_dead
             a.close()
             b.close()
     for bad, exc in ((b"-ERR nope\r\n", redis.ResponseError), (b"?1\r\n", redis.ConnectionError),
+                     (b"$%d\r\n" % (1 << 40), redis.ConnectionError),    # no allocation of a terabyte
                      (b":x\r\n", redis.ConnectionError), (b"$3\r\nabcXY", redis.ConnectionError)):
         a, b, t = _serve(bad, 1)
         t.join(10)

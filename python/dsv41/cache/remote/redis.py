@@ -64,6 +64,7 @@ def _pack(commands: list[tuple]) -> list:
 
 
 _IOV_MAX = 1024   # buffers per sendmsg (Linux's IOV_MAX)
+_MAX_BULK = 512 << 20   # Redis's proto-max-bulk-len default: no value it sends is longer
 
 
 def _left(end: float) -> float:
@@ -205,6 +206,8 @@ class _Reader:
         if kind == b"$":
             if n < 0:
                 return None
+            if n > _MAX_BULK:
+                raise redis.ConnectionError(f"a value of {n} bytes announced (Redis sends at most {_MAX_BULK})")
             out = bytearray(n + 2)
             self.read_into(out)
             if out[n:] != b"\r\n":
