@@ -81,4 +81,6 @@ def test_cli_plan(capsys, tmp_path):
     assert main(["plan", "--config", str(path), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["stored_format"]["dense"] == "fp8" and d["stored_format"]["experts"] == "fp4"
-    assert main(["plan", "--preset", "v41-tiny", "--gpus", "0"]) == 2
+    with pytest.raises(SystemExit) as e:   # argparse: --gpus is at least 1
+        main(["plan", "--preset", "v41-tiny", "--gpus", "0"])
+    assert e.value.code == 2 and "--gpus" in capsys.readouterr().err

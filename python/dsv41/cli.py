@@ -9,12 +9,20 @@
     dsv41 demo [--json]                  an agent workload through the engine and cache
     dsv41 eval [--matrix M --contract C --out DIR --model CKPT]   the replay acceptance matrix
     dsv41 serve [--model DIR | --preset NAME] [--port N]     an OpenAI-compatible server
+
+Exit status: 0 success; 1 the command ran and found a problem (a failed check, corruption,
+a NO-GO verdict, an internal error); 2 bad arguments or input (argparse's errors, a
+config that cannot be read, a path that is not what the command needs). Errors are one
+line on stderr, never a traceback (DSV41_TRACEBACK=1 shows one for an internal error).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from .argcheck import FloatRange, IntRange
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -34,13 +42,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_kv_bytes(args: argparse.Namespace) -> int:
     from .budget import format_budget_table, kv_budget
-    from .config import ConfigError, ModelConfig
+    from .config import ModelConfig
 
     try:
         config = ModelConfig.from_json(args.config) if args.config else ModelConfig.preset(args.preset)
         other = ModelConfig.preset(args.compare) if args.compare != "none" else None
-    except (ConfigError, KeyError, OSError, ValueError) as e:
-        print(f"dsv41 kv-bytes: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:   # ConfigError is a ValueError
+        print(f"dsv41 kv-bytes: {_describe(e)}", file=sys.stderr)
         return 2
     budget = kv_budget(config)
     against = kv_budget(other) if other is not None and other.name != config.name else None
@@ -76,7 +84,7 @@ def _cmd_digest(args: argparse.Namespace) -> int:
         bar = None if args.quiet else _ProgressBar(f"hashing {args.directory}")
         digest = digest_checkpoint(args.directory, progress=bar)
     except (CheckpointError, OSError, ValueError, RuntimeError) as e:
-        print(f"dsv41 digest: {e}", file=sys.stderr)
+        print(f"dsv41 digest: {_describe(e)}", file=sys.stderr)
         return 2
     except Exception as e:  # safetensors' own errors (a damaged shard): a message, not a traceback
         print(f"dsv41 digest: {args.directory}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -85,29 +93,49 @@ def _cmd_digest(args: argparse.Namespace) -> int:
     return 0
 
 
+# `plan` counts weights over the model built on the meta device, one module per routed
+# expert: V4's largest (61 layers x 384 experts) is 23,424 of them and takes seconds; a
+# config with many times that is refused rather than counted for minutes.
+PLAN_MAX_EXPERT_MODULES = 1 << 17
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .config import ConfigError, ModelConfig
+    from .config.json_io import read_config_file
     from .gpu_plan import StoredFormat, format_plan, memory_plan
     from .model.weights import read_quantization
 
     try:
         if args.config:
-            config = ModelConfig.from_json(args.config)
-            with open(args.config) as f:
-                raw = json.load(f)
+            raw = read_config_file(args.config)
+            config = ModelConfig.from_dict(raw)
             fmt = StoredFormat.for_config(config, read_quantization(raw) or {})
         else:
             config = ModelConfig.preset(args.preset)
             fmt = StoredFormat.for_config(config)
-        plan = memory_plan(config, gpus=args.gpus, fmt=fmt,
-                           gpu_memory_bytes=int(args.gpu_memory_gb * 1e9),
-                           reserve_bytes=int(args.reserve_gb * 1e9),
-                           context_tokens=args.context)
-    except (ConfigError, KeyError, OSError, ValueError) as e:
-        print(f"dsv41 plan: {e}", file=sys.stderr)
+        experts = config.num_layers * config.n_routed_experts
+        if experts > PLAN_MAX_EXPERT_MODULES:
+            raise ConfigError(f"{config.num_layers} layers x {config.n_routed_experts} routed experts is "
+                              f"more than the {PLAN_MAX_EXPERT_MODULES:,} expert modules plan counts")
+        try:
+            plan = memory_plan(config, gpus=args.gpus, fmt=fmt,
+                               gpu_memory_bytes=int(args.gpu_memory_gb * 1e9),
+                               reserve_bytes=int(args.reserve_gb * 1e9),
+                               context_tokens=args.context)
+        except (RuntimeError, OverflowError, MemoryError) as e:   # torch: a tensor's size overflows int64
+            raise ConfigError(f"the model's tensors are too large to count: {str(e).splitlines()[0]}") from None
+    except (ValueError, OSError) as e:   # ConfigError is a ValueError
+        print(f"dsv41 plan: {_describe(e)}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 0
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an error a user's input caused (OSError: its reason and file)."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,12 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config", metavar="PATH",
                      help="a checkpoint's config.json (its quantization_config decides the "
                           "stored weight formats; none: bf16)")
-    plan.add_argument("--gpus", type=int, default=1, help="GPUs the weights are split over")
-    plan.add_argument("--gpu-memory-gb", type=float, default=141.0,
+    plan.add_argument("--gpus", type=IntRange(1, 1 << 20), default=1, help="GPUs the weights are split over")
+    plan.add_argument("--gpu-memory-gb", type=FloatRange(0, 1e6, lo_open=True), default=141.0,
                       help="memory per GPU in GB (default: 141, an H200)")
-    plan.add_argument("--reserve-gb", type=float, default=10.0,
+    plan.add_argument("--reserve-gb", type=FloatRange(0, 1e6), default=10.0,
                       help="per-GPU bytes kept for activations, workspace, CUDA context")
-    plan.add_argument("--context", type=int, default=32768,
+    plan.add_argument("--context", type=IntRange(1, 1 << 40), default=32768,
                       help="tokens per session for the sessions-at-context figure")
     plan.add_argument("--json", action="store_true", help="print a JSON object")
     plan.set_defaults(func=_cmd_plan)
@@ -166,7 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    name = " ".join(filter(None, ("dsv41", args.command, getattr(args, "cache_command", None))))
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:   # bad input that reached past a command's own checks
+        print(f"{name}: {_describe(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a bug: one line and exit status 1, not a traceback
+        if os.environ.get("DSV41_TRACEBACK"):
+            raise
+        print(f"{name}: internal error: {type(e).__name__}: {_describe(e)} (DSV41_TRACEBACK=1 shows where)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -47,11 +47,22 @@ class StoredFormat:
         q = quantization_config
         if q is None:
             return cls() if config.name.endswith("flash") else cls("bf16", "bf16")
+        if not isinstance(q, dict):
+            raise ValueError(f"quantization_config: expected an object, got {q!r:.60}")
         if not q:
             return cls("bf16", "bf16")
-        block = int((q.get("weight_block_size") or [128, 128])[0])
-        experts = str(q.get("expert_dtype") or "fp8").lower()
-        return cls(str(q.get("dense_dtype") or "fp8"), experts, block)
+        sizes = q.get("weight_block_size") or [128, 128]
+        if not isinstance(sizes, list) or not sizes or not all(
+                isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 1 << 16 for b in sizes):
+            raise ValueError(f"quantization_config.weight_block_size: expected a list of block sizes in "
+                             f"[1, 65536], got {sizes!r:.60}")
+        dtypes = []
+        for key in ("dense_dtype", "expert_dtype"):
+            dtype = q.get(key) or "fp8"
+            if not isinstance(dtype, str) or dtype.lower() not in ("fp4", "fp8", "bf16"):
+                raise ValueError(f"quantization_config.{key}: expected fp4, fp8 or bf16, got {dtype!r:.60}")
+            dtypes.append(dtype.lower())
+        return cls(dtypes[0], dtypes[1], sizes[0])
 
     def linear_bytes(self, out_dim: int, in_dim: int, fmt: str) -> int:
         if fmt == "bf16":

@@ -98,3 +98,26 @@ def test_another_models_manifest_with_on_disk_segments_is_exit_1_not_0(store_dir
     (store_dir / sf.MANIFEST_NAME).write_text(json.dumps(m))
     code, out, _ = run(["cache", "verify", str(store_dir), "--no-progress"], capsys)
     assert code == 1 and "0 records" in out and "belong to another store" in out
+
+
+@pytest.mark.parametrize("cap", ["1e-9G", "1", "100"])
+def test_gc_refuses_a_capacity_below_one_record_without_force(store_dir, capsys, cap):
+    """A capacity smaller than one record would have gc delete every record (1e-9G parses
+    as 1 byte): refused with exit status 2 and nothing deleted, unless --force."""
+    code, _, err = run(["cache", "gc", str(store_dir), "--capacity", cap], capsys)
+    assert code == 2 and "less than one record" in err and "--force" in err
+    with open_store(store_dir, mode="r") as st:
+        assert len(st) == 6
+    code, out, _ = run(["cache", "gc", str(store_dir), "--capacity", cap, "--force"], capsys)
+    assert code == 0 and "evicted 6" in out
+    with open_store(store_dir, mode="r") as st:
+        assert len(st) == 0
+
+
+def test_gc_takes_a_capacity_of_one_record_or_more(store_dir, capsys):
+    with open_store(store_dir, mode="r") as st:
+        assert st.stats()["live_bytes"] // len(st) < 16 << 10   # 16K holds a record
+    code, out, _ = run(["cache", "gc", str(store_dir), "--capacity", "16K"], capsys)
+    assert code == 0 and "evicted" in out
+    with open_store(store_dir, mode="r") as st:
+        assert 0 < len(st) < 6

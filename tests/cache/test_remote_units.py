@@ -161,23 +161,28 @@ def test_snapshot_codec_roundtrip():
 
 
 def test_breaker_opens_probes_and_closes():
+    """Requests pass only while closed; an open breaker asks for one probe per cooldown
+    (half-open while it runs); a failed probe opens it for another cooldown, a good one
+    closes it."""
     now = [0.0]
     states = []
     b = CircuitBreaker(failures=2, cooldown_s=5.0, clock=lambda: now[0], on_change=states.append)
-    assert b.allow()
+    assert b.allow() and not b.begin_probe()
     b.failure()
     assert b.state == CLOSED and b.allow()
     b.failure()
-    assert b.state == OPEN and not b.allow()
+    assert b.state == OPEN and not b.allow() and not b.begin_probe()
     now[0] = 5.1
-    assert b.allow() and b.state == HALF_OPEN   # one probe
-    assert not b.allow()
+    assert b.begin_probe() and b.state == HALF_OPEN and not b.allow()   # one probe
+    assert not b.begin_probe()
     b.failure()
-    assert b.state == OPEN and not b.allow()
+    assert b.state == OPEN and not b.allow() and not b.begin_probe()
     now[0] = 10.2
-    assert b.allow()
+    assert b.begin_probe()
     b.success()
-    assert b.state == CLOSED and states == [OPEN, HALF_OPEN, OPEN, HALF_OPEN, CLOSED]
+    assert b.state == CLOSED and b.allow() and states == [OPEN, HALF_OPEN, OPEN, HALF_OPEN, CLOSED]
+    with pytest.raises(ValueError):
+        CircuitBreaker(cooldown_s=float("nan"))
 
 
 def test_namespace_tags():
@@ -262,6 +267,221 @@ def test_calls_run_on_one_warm_worker_and_overflow_while_it_hangs():
     g.close()
 
 
+class _Flaky(RemoteBackend):
+    """Calls fail while `down` is set; ping() also blocks until `unblock` (a probe that
+    hangs) and counts how many probes ran at once."""
+    scheme = "flaky"
+
+    def __init__(self):
+        super().__init__("flaky://")
+        self.down = True
+        self.unblock = threading.Event()
+        self.pings = self.in_ping = self.most_in_ping = 0
+        self.lock = threading.Lock()
+
+    def exists(self, keys):
+        if self.down:
+            raise ConnectionError("down")
+        return [True] * len(keys)
+
+    get = put = remove = exists
+
+    def ping(self):
+        with self.lock:
+            self.pings += 1
+            self.in_ping += 1
+            self.most_in_ping = max(self.most_in_ping, self.in_ping)
+        try:
+            self.unblock.wait(10)
+            self.exists(["p"])
+        finally:
+            with self.lock:
+                self.in_ping -= 1
+
+
+def test_an_open_breaker_probes_in_a_worker_and_closes_when_the_backend_answers():
+    """While the breaker is open, requests fail at once (none waits for a probe, even one
+    that hangs) and one probe at a time goes out every cooldown; the first probe that
+    succeeds closes the breaker and requests go through again."""
+    m = RemoteMetrics(MetricsRegistry())
+    be = _Flaky()
+    g = Guarded(be, m, workers=3, breaker_failures=2, breaker_cooldown_s=0.05)
+    assert g.wait_connected(5)
+    for _ in range(2):
+        with pytest.raises(RemoteUnavailable, match="error"):
+            g.call("exists", 1.0, ["k"])
+    assert g.breaker.state == OPEN
+    t_end = time.monotonic() + 0.3
+    while time.monotonic() < t_end:        # the first probe hangs in ping(): nobody waits for it
+        t0 = time.perf_counter()
+        with pytest.raises(RemoteUnavailable, match="breaker_open"):
+            g.call("exists", 1.0, ["k"])
+        assert time.perf_counter() - t0 < 0.02
+        time.sleep(0.01)
+    assert be.pings == 1 and g.breaker.state == HALF_OPEN
+    be.unblock.set()                       # probes now fail at once (still down), one per cooldown
+    t_end = time.monotonic() + 0.5
+    while time.monotonic() < t_end:
+        with pytest.raises(RemoteUnavailable):
+            g.call("exists", 1.0, ["k"])
+        time.sleep(0.01)
+    assert 3 <= be.pings <= 12 and be.most_in_ping == 1
+    assert m.errors.value(backend="flaky", cause="probe") == be.pings
+    be.down = False                        # back: a probe closes the breaker within a cooldown or two
+    t0 = time.monotonic()
+    while True:
+        try:
+            assert g.call("exists", 1.0, ["k"]) == [True]
+            break
+        except RemoteUnavailable:
+            assert time.monotonic() - t0 < 0.5
+            time.sleep(0.01)
+    assert g.breaker.state == CLOSED and m.breaker_state.value(backend="flaky") == CLOSED
+    g.close()
+
+
+def test_an_unconnected_backend_is_probed_with_connects():
+    """A backend that never connected: connect attempts are the probes once the breaker
+    opens, one at a time, and the first that succeeds serves the next call."""
+    class NoServer(_Flaky):
+        def __init__(self):
+            super().__init__()
+            self.connects = 0
+
+        def connect(self):
+            self.connects += 1
+            if self.down:
+                raise ConnectionError("refused")
+
+    m = RemoteMetrics(MetricsRegistry())
+    be = NoServer()
+    g = Guarded(be, m, workers=2, breaker_failures=1, breaker_cooldown_s=0.05)
+    end = time.monotonic() + 5
+    while g.breaker.state != OPEN:
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    for _ in range(20):
+        with pytest.raises(RemoteUnavailable, match="connecting"):
+            g.call("exists", 1.0, ["k"])
+        time.sleep(0.01)
+    assert 2 <= be.connects <= 8 and m.errors.value(backend="flaky", cause="connect") == be.connects
+    be.down = False
+    while not g.connected:
+        assert time.monotonic() < end
+        with pytest.raises(RemoteUnavailable):
+            g.call("exists", 1.0, ["k"])
+        time.sleep(0.01)
+    assert g.call("exists", 1.0, ["k"]) == [True] and g.breaker.state == CLOSED
+    g.close()
+
+
+_HUNG_EXIT_CHILD = """
+import sys, threading
+from dsv41.cache import MetricsRegistry
+from dsv41.cache.remote import Guarded, RemoteBackend, RemoteMetrics, RemoteUnavailable
+
+class Hung(RemoteBackend):
+    scheme = "hung"
+    def exists(self, keys):
+        threading.Event().wait()   # never returns
+    get = put = remove = exists
+
+g = Guarded(Hung("hung://"), RemoteMetrics(MetricsRegistry()), workers=2)
+assert g.wait_connected(5)
+for _ in range(3):
+    try:
+        g.call("exists", 0.05, ["k"])
+    except RemoteUnavailable:
+        pass
+g.close(timeout_s=0.1)
+print("closed", flush=True)
+"""
+
+
+def test_a_process_exits_at_once_with_calls_stuck_in_workers():
+    """Calls that never return keep their worker threads; the process still exits as soon
+    as its main thread ends (the workers are daemon threads: the interpreter joined
+    concurrent.futures' workers at exit, and a process waited for every stuck call)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import dsv41
+    import os
+    env = dict(os.environ, PYTHONPATH=str(Path(dsv41.__file__).resolve().parents[1]))
+    p = subprocess.Popen([sys.executable, "-c", _HUNG_EXIT_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        out, err = p.communicate(timeout=30)   # the imports: a few seconds on a busy machine
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        pytest.fail("the process did not exit with calls stuck in its workers")
+    assert p.returncode == 0 and out.strip() == "closed", err
+
+
+def test_redis_reply_reader_parses_resp2_and_resp3_in_any_pieces_within_the_deadline():
+    """_Reader.reply (every Redis call's replies): simple, error, integer, bulk, null and
+    array replies of RESP2 and RESP3, arriving in any pieces; a malformed one raises
+    ConnectionError; a peer that sends one byte at a time stops the read at its deadline
+    (the whole read, not each receive)."""
+    import socket
+
+    import redis
+
+    from dsv41.cache.remote.redis import _Reader
+
+    big = np.random.default_rng(2).bytes(200_000)
+    replies = [(b"+OK\r\n", b"OK"), (b":42\r\n", 42), (b":-7\r\n", -7), (b"$-1\r\n", None), (b"_\r\n", None),
+               (b"$0\r\n\r\n", b""), (b"$5\r\na\r\nbc\r\n", b"a\r\nbc"),
+               (b"$%d\r\n%s\r\n" % (len(big), big), big), (b"*-1\r\n", None),
+               (b"*3\r\n$1\r\nx\r\n$-1\r\n:1\r\n", [b"x", None, 1]), (b"*2\r\n*1\r\n+a\r\n_\r\n", [[b"a"], None])]
+    stream = b"".join(r for r, _ in replies)
+    for pieces, seed in ((1, 0), (9, 1), (500, 2)):
+        a, b, t = _serve(stream, pieces, seed)
+        try:
+            rd = _Reader(a, time.monotonic() + 10)
+            assert [rd.reply() for _ in replies] == [v for _, v in replies]
+            assert rd.pending == 0
+        finally:
+            t.join(10)
+            a.close()
+            b.close()
+    for bad, exc in ((b"-ERR nope\r\n", redis.ResponseError), (b"?1\r\n", redis.ConnectionError),
+                     (b"$%d\r\n" % (1 << 40), redis.ConnectionError),    # no allocation of a terabyte
+                     (b":x\r\n", redis.ConnectionError), (b"$3\r\nabcXY", redis.ConnectionError)):
+        a, b, t = _serve(bad, 1)
+        t.join(10)
+        try:
+            with pytest.raises(exc):
+                _Reader(a, time.monotonic() + 1).reply()
+        finally:
+            a.close()
+            b.close()
+    a, b = socket.socketpair()
+    stop = threading.Event()
+
+    def drip():   # a value of 100 bytes, one byte every 5 ms: 0.5 s in all
+        b.sendall(b"$100\r\n")
+        for _ in range(100):
+            if stop.wait(0.005):
+                return
+            b.sendall(b"x")
+
+    t = threading.Thread(target=drip, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(redis.TimeoutError):
+            _Reader(a, t0 + 0.1).reply()
+        assert time.monotonic() - t0 < 0.1 + 0.05
+    finally:
+        stop.set()
+        t.join(10)
+        a.close()
+        b.close()
+
+
 def test_cxx_sha256_and_chain_ids_equal_the_python_definitions():
     """The C++ SHA-256 (SHA extensions and portable code) equals hashlib at every padding
     edge, and the C++ chain ids equal _chain_step bit for bit: random token ids over the
@@ -334,6 +554,9 @@ def test_redis_send_gathers_chunks_and_resumes_partial_sends():
         def __init__(self, most, fail=None):
             self.most, self.got, self.calls, self.fail = most, bytearray(), [], fail
 
+        def settimeout(self, t):
+            assert 0 < t <= 10
+
         def sendmsg(self, bufs):
             if self.fail:
                 raise self.fail
@@ -354,32 +577,35 @@ def test_redis_send_gathers_chunks_and_resumes_partial_sends():
     want = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
     for most in (1, 1000, 65536, 1 << 30):
         s = Trickle(most)
-        _send(s, chunks)
+        _send(s, chunks, time.monotonic() + 10)
         assert bytes(s.got) == want, most
     s = Trickle(1 << 30)
-    _send(s, chunks)
+    _send(s, chunks, time.monotonic() + 10)
     assert s.calls == [_IOV_MAX, _IOV_MAX, len(chunks) - 1 - 2 * _IOV_MAX]   # the empty chunk is not sent
     with pytest.raises(redis.TimeoutError):
-        _send(Trickle(10, fail=socket.timeout("timed out")), chunks)
+        _send(Trickle(10, fail=socket.timeout("timed out")), chunks, time.monotonic() + 10)
     with pytest.raises(redis.ConnectionError):
-        _send(Trickle(10, fail=ConnectionResetError(104, "reset")), chunks)
+        _send(Trickle(10, fail=ConnectionResetError(104, "reset")), chunks, time.monotonic() + 10)
 
     class Tls(ssl.SSLSocket):   # no sendmsg on TLS: one sendall per chunk
         def __init__(self):
             self.got = bytearray()
 
+        def settimeout(self, t):
+            assert 0 < t <= 10
+
         def sendall(self, data):
             self.got += bytes(memoryview(data).cast("B"))
 
     t = Tls()
-    _send(t, chunks)
+    _send(t, chunks, time.monotonic() + 10)
     assert bytes(t.got) == want
     a, b = socket.socketpair()   # and through a real socket, read on the other side meanwhile
     try:
         got = bytearray()
         reader = threading.Thread(target=lambda: [got.extend(x) for x in iter(lambda: b.recv(1 << 16), b"")])
         reader.start()
-        _send(a, chunks)
+        _send(a, chunks, time.monotonic() + 10)
         a.shutdown(socket.SHUT_WR)
         reader.join(10)
         assert bytes(got) == want
@@ -462,13 +688,12 @@ def test_redis_mget_reply_is_read_into_rows_in_any_pieces():
         finally:
             a.close()
             b.close()
-    a, b, t = _serve(reply, 2, stall=True)   # a server that stops answering: the socket's timeout
-    a.settimeout(0.2)
+    a, b, t = _serve(reply, 2, stall=True)   # a server that stops answering: the deadline
     t0 = time.monotonic()
     try:
         with pytest.raises(redis.TimeoutError):
-            _read_mget_into(a, np.zeros((2, 200), dtype=np.uint8), 2, time.monotonic() + 10)
-        assert time.monotonic() - t0 < 2
+            _read_mget_into(a, np.zeros((2, 200), dtype=np.uint8), 2, t0 + 0.2)
+        assert time.monotonic() - t0 < 0.2 + 0.1
     finally:
         a.close()
         b.close()

@@ -62,6 +62,8 @@ def test_conflicting_spellings_are_refused():
         read_quantization(raw)
     with pytest.raises(ValueError, match="expert_dtype = 'int4' is not a weight format"):
         read_quantization({"expert_dtype": "int4"})
+    with pytest.raises(ValueError, match="text_config.quantization_config must be an object"):
+        read_quantization({"text_config": {"quantization_config": "fp8"}})
 
 
 def _deepseek_quantized(path: Path, block: int = 64) -> None:

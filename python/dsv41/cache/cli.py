@@ -3,8 +3,9 @@
     dsv41 cache stats DIR [--json]          records, bytes, namespaces, identity, recovery
     dsv41 cache verify DIR [--repair]       read and check every record (progress on stderr);
                                             exit status 1 when corruption is found
-    dsv41 cache gc DIR [--ttl-hours H] [--capacity SIZE]
-                                            expire, evict LRU to the capacity, reclaim space
+    dsv41 cache gc DIR [--ttl-hours H] [--capacity SIZE [--force]]
+                                            expire, evict LRU to the capacity, reclaim space;
+                                            a capacity below one record needs --force
 
 stats and verify open the store read-only (safe beside a running writer); verify --repair
 and gc take the writer lock, so they refuse to run while a server has the store open.
@@ -13,16 +14,18 @@ None of them creates a store: DIR must already hold one.
 Exit status (every subcommand): 0 clean; 1 corruption found (verify: corrupt records,
 damaged segments, segments of another store, record ids claimed twice, names that are links,
 FIFOs or directories); 2 the store could not be opened (missing, not a directory, locked by
-a writer, read-only filesystem, another model's manifest) or bad arguments. Errors are one
-line on stderr, never a traceback.
+a writer, read-only filesystem, another model's manifest, a directory on the way that cannot
+be searched) or bad arguments. Errors are one line on stderr, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import json
 import math
 import os
+import stat
 import sys
 import time
 
@@ -90,9 +93,9 @@ def _open(path: str, mode: str, **kw):
     from .hashing import sha256
     from .store import PersistentStore
 
-    if not os.path.isdir(path):  # the tools never create a store (the writer mode would)
-        what = "does not exist" if not os.path.lexists(path) else "is not a directory"
-        _fail(f"{path} {what}: no persistent store there")
+    problem = _not_a_directory(path)   # the tools never create a store (the writer mode would)
+    if problem:
+        _fail(f"{path} {problem}: no persistent store there")
         return None
     try:
         store = PersistentStore(path, None, mode=mode, **kw)
@@ -102,6 +105,23 @@ def _open(path: str, mode: str, **kw):
     if store.identity.hash_name == "sha256":
         store.hash_fn = sha256  # lets verify recompute every block hash
     return store
+
+
+def _not_a_directory(path: str) -> str | None:
+    """Why path is not a directory one can open, in words; None when it is one."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "is a link to nothing" if os.path.islink(path) else "does not exist"
+    except NotADirectoryError:
+        return "does not exist (a component of the path is a file)"
+    except PermissionError:
+        return "cannot be reached: permission denied (a directory on the way cannot be searched)"
+    except OSError as e:
+        return f"cannot be looked at: {e.strerror or errno.errorcode.get(e.errno, e)}"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    return None
 
 
 def _human(n: int | None) -> str:
@@ -198,11 +218,30 @@ def _cmd_verify(args) -> int:
                  or report["colliding_records"] or report["unusable_files"]) else 0
 
 
+def _one_record_bytes(st: dict) -> int:
+    """The bytes one record of this store spans on disk (its payload at least)."""
+    per_record = -(-st["live_bytes"] // st["records"]) if st["records"] else 0
+    return max(st["identity"]["block_bytes"], per_record)
+
+
 @_no_traceback
 def _cmd_gc(args) -> int:
     kw = {"ttl_s": None if args.ttl_hours is None else args.ttl_hours * 3600.0}
     if args.capacity is not None:
         kw["capacity_bytes"] = args.capacity
+    if args.capacity is not None and not args.force:
+        # Checked on a read-only open: a writable store with the capacity set evicts down to
+        # it as soon as it commits, which closing it does.
+        store = _open(args.dir, "r")
+        if store is None:
+            return 2
+        with store:
+            st = store.stats()
+        one = _one_record_bytes(st)
+        if args.capacity < one:
+            _fail(f"--capacity {_human(args.capacity)} is less than one record ({_human(one)}): gc would "
+                  f"delete every record; give --force if that is what you want")
+            return 2
     store = _open(args.dir, "w", **kw)
     if store is None:
         return 2
@@ -244,5 +283,7 @@ def add_cache_parser(sub) -> None:
     gc.add_argument("--ttl-hours", type=positive_hours, default=72.0,
                     help="expire records unused this long (default 72; must be > 0)")
     gc.add_argument("--capacity", type=parse_size, default=None, help="byte cap, e.g. 500G")
+    gc.add_argument("--force", action="store_true",
+                    help="accept a capacity below one record (gc then deletes every record)")
     gc.add_argument("--json", action="store_true")
     gc.set_defaults(func=_cmd_gc)

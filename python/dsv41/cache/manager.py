@@ -121,7 +121,7 @@ class CacheConfig:
     remote_snapshot_ttl_s: float | None = SWA_TTL_S
     remote_queue_items: int = 256             # queued writes before new ones are dropped
     remote_breaker_failures: int = 3
-    remote_breaker_cooldown_s: float = 5.0
+    remote_breaker_cooldown_s: float = 0.25   # an open breaker probes the backend this often
     # V4's SWA checkpoints on the SSD (cache/swa_checkpoints.py; needs store_dir): every N
     # tokens and at the end of prompt and output. "auto": the model config's
     # persistent_swa_interval_tokens (V4 presets 1024; None for V4.1, whose bounded replay

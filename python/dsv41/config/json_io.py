@@ -23,13 +23,24 @@ transformers does not know, instead of one it would read as something else.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+from ..argcheck import read_regular_file
 from .values import DEFAULT_BETA_FAST, DEFAULT_BETA_SLOW, ConfigError, as_int
 
-__all__ = ["DEEPSEEK_MAX_SEQ_LEN", "from_dict", "to_hf_dict", "transformers_mismatch"]
+__all__ = ["CONFIG_MAX_BYTES", "CONFIG_MAX_DEPTH", "DEEPSEEK_MAX_SEQ_LEN", "from_dict", "read_config_file",
+           "to_hf_dict", "transformers_mismatch"]
+
+# What a config file may be, checked where it is read (read_config_file): model configs are
+# a few KB, a few levels deep, with integers far below 2**53 (beyond it JSON numbers are not
+# exact in most readers). Anything else is refused before a field is looked at.
+CONFIG_MAX_BYTES = 4 << 20
+CONFIG_MAX_DEPTH = 32
+_MAX_JSON_INT = 2**53
 
 # DeepSeek's inference ModelArgs default for max_seq_len (its flat config.json omits it).
 DEEPSEEK_MAX_SEQ_LEN = 4096
@@ -162,9 +173,75 @@ def to_hf_dict(cfg) -> dict[str, Any]:
     return out
 
 
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object in a config file, or ConfigError: not a regular file (a FIFO or
+    /dev/zero would block or never end), over CONFIG_MAX_BYTES, not UTF-8, not JSON, NaN or
+    Infinity, nested deeper than CONFIG_MAX_DEPTH, an integer of 2**53 or more, or not an
+    object at the top level. OSError when it cannot be opened (missing, permissions)."""
+    where = os.fspath(path)
+    try:
+        raw = read_regular_file(path, CONFIG_MAX_BYTES)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {e.start})") from None
+
+    def no_constant(name: str):
+        raise ConfigError(f"{where}: {name} is not a number a config may hold")
+    try:
+        doc = json.loads(text, parse_constant=no_constant)
+    except ConfigError:
+        raise
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested deeper than {CONFIG_MAX_DEPTH} levels") from None
+    except ValueError:   # the only other: an integer of more digits than Python converts
+        raise ConfigError(f"{where}: an integer with more digits than a config may hold") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: expected a JSON object at the top level, got {_json_type(doc)}")
+    _check_values(doc, where)
+    return doc
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _check_values(doc: dict, where: str) -> None:
+    """Depth and integer range of a parsed document (iteratively: no recursion to exhaust)."""
+    stack: list[tuple[Any, int, str]] = [(doc, 1, "")]
+    while stack:
+        value, depth, at = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > CONFIG_MAX_DEPTH:
+                raise ConfigError(f"{where}: nested deeper than {CONFIG_MAX_DEPTH} levels (at {at or 'the top'})")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack += [(v, depth + 1, f"{at}.{k}" if at else str(k)) for k, v in items]
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _MAX_JSON_INT:
+            raise ConfigError(f"{where}: {at}: {value} is out of range (integers must be below 2**53)")
+
+
 def from_dict(cls, d: Mapping[str, Any], name: str | None = None):
     """A `cls` (ModelConfig) from any supported spelling. Unknown keys are ignored;
-    `compress_ratios` entries past num_layers (draft layers) are dropped."""
+    `compress_ratios` entries past num_layers (draft layers) are dropped. Whatever the
+    document holds, the outcome is a `cls` or ConfigError: a value of a type the reading
+    does not expect (a number where a list belongs, ...) is reported as such, not as the
+    TypeError it would raise."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"a config is a JSON object (a mapping), got {_json_type(d)}")
+    try:
+        return _from_dict(cls, d, name)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
+        raise ConfigError(f"malformed config: {type(e).__name__}: {e}") from None
+
+
+def _from_dict(cls, d: Mapping[str, Any], name: str | None):
     src = dict(d)
     if isinstance(src.get("text_config"), Mapping):
         src.update(src.pop("text_config"))

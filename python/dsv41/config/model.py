@@ -312,7 +312,7 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path, name: str | None = None) -> ModelConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()), name=name)
+        return cls.from_dict(json_io.read_config_file(path), name=name)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], name: str | None = None) -> ModelConfig:

@@ -245,30 +245,37 @@ def _print_text(result: dict, out) -> None:
 
 
 def add_demo_parser(sub) -> None:
+    from ..argcheck import FloatRange, IntRange, output_dir
+    from ..config import preset_names
+
+    count, tokens = IntRange(1, 10_000), IntRange(0, 1 << 20)
     d = sub.add_parser("demo", help="an agent workload through the engine and the tiered cache")
-    d.add_argument("--preset", default="v41-tiny", help="embedded model preset (synthetic weights)")
+    d.add_argument("--preset", default="v41-tiny", choices=preset_names(),
+                   help="embedded model preset (synthetic weights)")
     d.add_argument("--model", default=None, metavar="DIR|NAME",
                    help="a checkpoint directory or a shipped checkpoint (v41-tiny-tasks: the "
                         "trained task model) instead of the synthetic preset")
-    d.add_argument("--cache-dir", default="./dsv41-demo-cache", help="where the persistent store lives")
+    d.add_argument("--cache-dir", type=output_dir, default="./dsv41-demo-cache",
+                   help="where the persistent store lives")
     d.add_argument("--fresh", action="store_true", help="empty the cache dir first")
-    d.add_argument("--conversations", type=int, default=3)
-    d.add_argument("--turns", type=int, default=3)
-    d.add_argument("--system-tokens", type=int, default=64)
-    d.add_argument("--tools-tokens", type=int, default=64)
-    d.add_argument("--repo-tokens", type=int, default=192)
-    d.add_argument("--user-tokens", type=int, default=24)
-    d.add_argument("--tool-tokens", type=int, default=48)
-    d.add_argument("--max-new-tokens", type=int, default=6)
-    d.add_argument("--block-tokens", type=int, default=None,
+    d.add_argument("--conversations", type=count, default=3)
+    d.add_argument("--turns", type=count, default=3)
+    d.add_argument("--system-tokens", type=tokens, default=64)
+    d.add_argument("--tools-tokens", type=tokens, default=64)
+    d.add_argument("--repo-tokens", type=tokens, default=192)
+    d.add_argument("--user-tokens", type=tokens, default=24)
+    d.add_argument("--tool-tokens", type=tokens, default=48)
+    d.add_argument("--max-new-tokens", type=IntRange(1, 1 << 20), default=6)
+    d.add_argument("--block-tokens", type=IntRange(1, 1 << 16), default=None,
                    help="cache block size (default: 16, or the largest compress ratio if larger)")
-    d.add_argument("--swa-ttl", type=float, default=300.0, help="SWA snapshot TTL (s)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--swa-ttl", type=FloatRange(0, 1e9), default=300.0, help="SWA snapshot TTL (s)")
+    d.add_argument("--seed", type=IntRange(0, (1 << 63) - 1), default=0)
     d.add_argument("--remote-blocks", default=None, metavar="URL",
                    help="remote tier for global KV blocks, e.g. mooncake://127.0.0.1:50051")
     d.add_argument("--remote-snapshots", default=None, metavar="URL",
                    help="remote tier for SWA snapshots, e.g. redis://127.0.0.1:6379/0")
-    d.add_argument("--remote-timeout-ms", type=float, default=50.0, help="deadline of one remote lookup call")
+    d.add_argument("--remote-timeout-ms", type=FloatRange(0, 1e7, lo_open=True), default=50.0,
+                   help="deadline of one remote lookup call")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.add_argument("--quiet", action="store_true", help="no progress on stderr")
     d.set_defaults(func=lambda a: (run_demo(a), 0)[1])

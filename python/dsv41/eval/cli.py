@@ -9,6 +9,10 @@ import argparse
 import json
 import sys
 
+from ..argcheck import device, output_dir, read_regular_file
+
+INPUT_MAX_BYTES = 4 << 20   # a matrix or contract file: a few KB of YAML
+
 
 def add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="run the replay acceptance matrix against a contract (SPEC 6)",
@@ -18,11 +22,12 @@ def add_eval_parser(sub) -> None:
                                    "on the shipped trained model v41-tiny-tasks.")
     p.add_argument("--matrix", metavar="MATRIX.yaml", help="the matrix (default: the shipped one)")
     p.add_argument("--contract", metavar="CONTRACT.yaml", help="the pass criteria (default: the shipped one)")
-    p.add_argument("--out", metavar="DIR", default="dsv41-eval", help="output directory (default: dsv41-eval); "
+    p.add_argument("--out", metavar="DIR", type=output_dir, default="dsv41-eval",
+                   help="output directory (default: dsv41-eval); "
                    "an interrupted run there resumes")
     p.add_argument("--model", metavar="DIR|NAME", help="a checkpoint directory (save_pretrained "
                    "layout) or a shipped checkpoint's name (v41-tiny-tasks); overrides the matrix's model")
-    p.add_argument("--device", default=None, help="device for the model (default cpu)")
+    p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N for the model (default cpu)")
     p.add_argument("--fresh", action="store_true", help="discard an earlier run in OUT instead of resuming")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -35,10 +40,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .runner import RunError
 
     try:
+        for path in (args.matrix, args.contract):   # a FIFO or /dev/zero would block or never end
+            if path is not None:
+                try:
+                    read_regular_file(path, INPUT_MAX_BYTES).decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
         summary = evaluate(args.matrix, args.contract, args.out, model_dir=args.model, device=args.device,
                            progress=not args.no_progress, fresh=args.fresh, plots=not args.no_plots)
     except (MatrixError, ContractError, RunError, OSError, ValueError) as e:
-        print(f"dsv41 eval: {e}", file=sys.stderr)
+        why = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror and e.filename else e
+        print(f"dsv41 eval: {why}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"verdict": summary["verdict"], "out": summary["out"],

@@ -24,6 +24,8 @@ class YamlDocument:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise cls.error(f"{source}: not valid YAML: {e}") from None
+        except RecursionError:
+            raise cls.error(f"{source}: nested too deeply to be a {cls.default_source}") from None
         doc = cls.from_dict(data, source)
         doc.text = text
         return doc

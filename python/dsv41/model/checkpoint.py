@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
+from ..config.json_io import read_config_file
 from .production import place_quantized, take_quantized
 from .safetensors_file import ShardError, read_header
 from .weights import (
@@ -199,7 +200,7 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
     directory = Path(directory)
     if not (directory / CONFIG_NAME).exists():
         raise CheckpointError(f"{directory}: no {CONFIG_NAME}")
-    raw = json.loads((directory / CONFIG_NAME).read_text())
+    raw = read_config_file(directory / CONFIG_NAME)
     config = ModelConfig.from_dict(raw)
     options = dict(raw.get("dsv41", {}).get("model_options", {}))
     options.pop("kv_dtype", None)

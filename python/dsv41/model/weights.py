@@ -89,8 +89,10 @@ def read_quantization(raw: Mapping) -> dict | None:
 
     for prefix, src in (("", raw), ("text_config.", text)):
         q = src.get("quantization_config")
+        at = f"{prefix}quantization_config"
+        if q is not None and not isinstance(q, Mapping):
+            raise WeightError(f"{at} must be an object, got {q!r:.60}")
         if isinstance(q, Mapping):
-            at = f"{prefix}quantization_config"
             if q.get("weight_block_size") is not None:
                 block = q["weight_block_size"]
                 if (not isinstance(block, (list, tuple)) or len(block) != 2

@@ -190,16 +190,11 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(kind, zero: bool = False):
-    def parse(text: str):
-        v = kind(text)
-        if v < 0 or (v == 0 and not zero):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if zero else '>'} 0, got {text}")
-        return v
-    return parse
+_DAY_S = 86400.0   # the longest timeout or drain --timeout-* and --drain-seconds take
 
 
 def add_serve_parser(sub) -> None:
+    from ..argcheck import FloatRange, IntRange, device, output_dir
     from ..config import preset_names
 
     d = ServeOptions()
@@ -209,25 +204,28 @@ def add_serve_parser(sub) -> None:
                      "and tokenizer.json for text) or a shipped checkpoint's name (v41-tiny-tasks)")
     src.add_argument("--preset", default=d.preset, choices=preset_names(),
                      help=f"a built-in config with synthetic weights (default: {d.preset})")
-    s.add_argument("--seed", type=int, default=d.seed, help="synthetic weights' seed")
+    s.add_argument("--seed", type=IntRange(0, (1 << 63) - 1), default=d.seed, help="synthetic weights' seed")
     s.add_argument("--served-model-name", help="the model id clients send (default: preset or dir name)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    s.add_argument("--port", type=IntRange(0, 65535), default=8000, help="0: any free port")
+    s.add_argument("--device", type=device, help="cpu, cuda or cuda:N (default: cuda when available)")
     s.add_argument("--precision", choices=("reference", "bf16"),
                    help="model execution path (default: bf16 on cuda, the float64 reference on cpu)")
-    s.add_argument("--cache-dir", metavar="DIR", help="persistent prefix store (SSD tier); default: none")
+    s.add_argument("--cache-dir", metavar="DIR", type=output_dir,
+                   help="persistent prefix store (SSD tier); default: none")
     s.add_argument("--no-prefix-cache", action="store_true", help="run without a prefix cache")
-    s.add_argument("--block-tokens", type=int, default=d.block_tokens, help="tokens per cache block")
-    s.add_argument("--gpu-cache-mb", type=int, default=d.gpu_cache_mb, help="global KV pool size")
-    s.add_argument("--swa-cache-mb", type=int, default=d.swa_cache_mb, help="SWA snapshot pool (host RAM)")
-    s.add_argument("--swa-ttl", type=float, default=d.swa_ttl_s, help="SWA snapshot TTL (s)")
+    s.add_argument("--block-tokens", type=IntRange(1, 1 << 16), default=d.block_tokens,
+                   help="tokens per cache block")
+    s.add_argument("--gpu-cache-mb", type=IntRange(1, 1 << 24), default=d.gpu_cache_mb, help="global KV pool size")
+    s.add_argument("--swa-cache-mb", type=IntRange(1, 1 << 24), default=d.swa_cache_mb,
+                   help="SWA snapshot pool (host RAM)")
+    s.add_argument("--swa-ttl", type=FloatRange(0, 1e9), default=d.swa_ttl_s, help="SWA snapshot TTL (s)")
     s.add_argument("--replay", default=d.replay, choices=("bounded", "exact", "off"),
                    help="the path of a prompt whose SWA snapshot is gone (docs/replay.md)")
-    s.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences per step")
-    s.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+    s.add_argument("--max-batch", type=IntRange(1, 1 << 16), default=d.max_batch, help="sequences per step")
+    s.add_argument("--max-prefill-tokens", type=IntRange(1, 1 << 24), default=d.max_prefill_tokens,
                    help="prefill tokens per step")
-    s.add_argument("--max-pending", type=int, default=d.max_pending,
+    s.add_argument("--max-pending", type=IntRange(1, 1 << 20), default=d.max_pending,
                    help="requests accepted and unfinished at once; beyond it 503")
     t = s.add_argument_group("tenants (docs/serve.md)")
     t.add_argument("--api-key", nargs="+", action="extend", metavar="KEY",
@@ -241,15 +239,16 @@ def add_serve_parser(sub) -> None:
                    help="report usage.prompt_tokens_details.cached_tokens only in the caller's own "
                    "namespace (own: an API key's or a salted one), or always (a single-user server)")
     h = s.add_argument_group("HTTP limits")
-    h.add_argument("--timeout-header", type=_positive(float), default=d.header_timeout_s, metavar="S",
+    h.add_argument("--timeout-header", type=FloatRange(0, _DAY_S, lo_open=True), default=d.header_timeout_s, metavar="S",
                    help="a request head must arrive within S of the connection or its previous response")
-    h.add_argument("--timeout-body", type=_positive(float), default=d.body_timeout_s, metavar="S",
+    h.add_argument("--timeout-body", type=FloatRange(0, _DAY_S, lo_open=True), default=d.body_timeout_s, metavar="S",
                    help="the request body must arrive within S of its head (408 otherwise)")
-    h.add_argument("--max-request-bytes", type=_positive(int), default=d.max_request_bytes, metavar="N",
+    h.add_argument("--max-request-bytes", type=IntRange(1, 1 << 40), default=d.max_request_bytes, metavar="N",
                    help="larger bodies are refused with 413")
-    h.add_argument("--max-connections", type=_positive(int), default=d.max_connections, metavar="N",
+    h.add_argument("--max-connections", type=IntRange(1, 1 << 20), default=d.max_connections, metavar="N",
                    help="connections opened beyond N get 503 with Retry-After")
-    h.add_argument("--drain-seconds", type=_positive(float, zero=True), default=d.drain_s, metavar="S",
+    h.add_argument("--drain-seconds", type=FloatRange(0, _DAY_S), default=d.drain_s, metavar="S",
                    help="on SIGTERM/SIGINT, requests in flight may finish for up to S")
-    s.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug",
+                                                              "trace"), help="uvicorn's log level")
     s.set_defaults(func=_run)

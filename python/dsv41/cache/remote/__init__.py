@@ -4,6 +4,7 @@ verified against dsv41's own record (docs/remote.md).
 
     base        RemoteBackend (exists/get/put/remove) and Guarded (deadlines + breaker)
     breaker     CircuitBreaker
+    workers     DaemonWorkers (the threads Guarded runs calls in)
     mooncake    MooncakeBackend  mooncake://MASTER:PORT
     redis       RedisBackend     redis://HOST:PORT/DB
     record      encode/verify of remote values (the SSD record format)

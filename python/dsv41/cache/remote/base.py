@@ -1,12 +1,15 @@
 """The remote tier's one small interface, and the guard every call goes through.
 
 A backend (Mooncake Store, Redis) implements four blocking batch operations on opaque
-bytes under string keys. `Guarded` wraps one backend for the cache: every call runs in a
-small worker pool and is waited for at most its deadline (a backend call that hangs, as a
-Mooncake client does for ~4.3 s when its master is gone, keeps its worker thread but not
-the request), and a circuit breaker stops calling a backend that keeps failing and probes
-it again after a cooldown. A fault of any kind is reported as RemoteUnavailable, which
-the tier counts and treats as a miss.
+bytes under string keys. `Guarded` wraps one backend for the cache: no call outlives its
+deadline. A backend that bounds its own calls (Redis) runs them in the caller's thread;
+any other call runs in a small pool of daemon worker threads and is waited for at most its
+deadline (a call that hangs, as a Mooncake client's does when its master is gone, keeps
+its worker but not the request, and never holds up the process's exit). A circuit breaker
+stops calling a backend that keeps failing; while it is open, one cheap probe call at a
+time (in a worker) finds out when the backend is back. A fault of any kind is reported as
+RemoteUnavailable, which the tier counts and treats as a miss. How long each of these
+takes, measured: docs/remote.md.
 """
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ from typing import Callable, Sequence
 
 from .breaker import CircuitBreaker
 from .metrics import RemoteMetrics
+from .workers import DaemonWorkers
 
-__all__ = ["RemoteBackend", "RemoteError", "RemoteFull", "RemoteTimeout", "RemoteUnavailable", "Guarded"]
+__all__ = ["RemoteBackend", "RemoteError", "RemoteFull", "RemoteNotReady", "RemoteTimeout", "RemoteUnavailable",
+           "Guarded"]
 
 
 class RemoteError(RuntimeError):
@@ -28,6 +33,11 @@ class RemoteError(RuntimeError):
 
 class RemoteTimeout(RemoteError):
     """A backend that bounds its own calls (bounds_itself) ran out of the call's time."""
+
+
+class RemoteNotReady(RemoteError):
+    """A bounds_itself backend has no open connection at hand for a call in the caller's
+    thread (opening one could outlast the deadline): Guarded runs the call in a worker."""
 
 
 class RemoteFull(RemoteError):
@@ -49,9 +59,11 @@ class RemoteBackend(abc.ABC):
     scheme = ""
     native_ttl = False     # put/get honour ttl_s (else the tier checks a value's age itself)
     keeps_first = False    # a put of an existing key keeps the old value
-    # The backend bounds each call by the time given to it (its operations take timeout_s=
-    # and raise RemoteTimeout): while ready(), Guarded calls it in the caller's thread,
-    # without the worker handoff that a client which can hang (Mooncake's) needs.
+    # The backend bounds each call by the time given to it (its operations take timeout_s=,
+    # raise RemoteTimeout once it has passed, and RemoteNotReady before doing anything when
+    # they would first have to open a connection): Guarded calls it in the caller's thread,
+    # without the worker handoff that a client which can hang (Mooncake's) needs. Called
+    # without timeout_s (in a worker), an operation may take a connection's own timeouts.
     bounds_itself = False
     # put() accepts a value as a tuple of bytes-like parts, stored as their concatenation
     # (the tier then hands it the payload without copying it into the record).
@@ -93,11 +105,9 @@ class RemoteBackend(abc.ABC):
     @abc.abstractmethod
     def remove(self, keys: Sequence[str]) -> None: ...
 
-    def ready(self) -> bool:
-        """(bounds_itself backends) A call now needs no set-up that could outlast a lookup's
-        deadline (an open connection is at hand); else Guarded runs it in a worker, where
-        the set-up may finish after the caller stopped waiting, for the next call."""
-        return True
+    def ping(self) -> None:
+        """One cheap call that succeeds only when the backend answers (the breaker's probe)."""
+        self.exists(["dsv41:probe"])
 
     def close(self) -> None:
         pass
@@ -107,7 +117,7 @@ class Guarded:
     """A backend behind deadlines, a circuit breaker and metrics."""
 
     def __init__(self, backend: RemoteBackend, metrics: RemoteMetrics, *, workers: int = 4,
-                 breaker_failures: int = 3, breaker_cooldown_s: float = 5.0,
+                 breaker_failures: int = 3, breaker_cooldown_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic):
         self.backend, self.metrics = backend, metrics
         self.name = backend.scheme
@@ -115,25 +125,31 @@ class Guarded:
                                       on_change=lambda s: metrics.breaker_state.set(s, backend=self.name))
         metrics.breaker_state.set(0, backend=self.name)
         # Calls run on one primary worker while it is free, and on the others only while it
-        # is busy (a hung call): the same warm thread every time took 85-120 us less per
-        # Mooncake get of 32 blocks (1.5-2.4 ms) than whichever of four pooled threads woke
-        # (p50 of 150-200 calls alternated with the raw client's, one process, loopback).
-        self._primary = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dsv41-remote-{self.name}-0")
+        # is busy (a hung call): the same warm thread every time is faster than whichever
+        # pooled thread wakes (docs/remote.md). Probes and connects run on the others.
+        self._primary = DaemonWorkers(1, f"dsv41-remote-{self.name}-0")
         self._primary_busy = False
-        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, workers - 1),
-                                           thread_name_prefix=f"dsv41-remote-{self.name}")
-        self._busy = 0
+        self._pool = DaemonWorkers(max(1, workers - 1), f"dsv41-remote-{self.name}")
+        self._busy = 0          # calls and probes running in a worker (connects excluded)
         self._workers = workers
+        self._probing = False
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._connecting: cf.Future | None = None
         self._start_connect()
 
     def _start_connect(self) -> None:
+        """Starts a connect in a worker unless one is running; while the breaker is open,
+        only when a probe is due (the connect is the probe)."""
         with self._lock:
             if self._connected.is_set() or (self._connecting is not None and not self._connecting.done()):
                 return
-            self._connecting = self._pool.submit(self._connect)
+            if not self.breaker.allow() and not self.breaker.begin_probe():
+                return
+            try:
+                self._connecting = self._pool.submit(self._connect)
+            except RuntimeError:   # closed
+                pass
 
     def _connect(self) -> None:
         try:
@@ -155,17 +171,20 @@ class Guarded:
         """backend.<op>(*args) within timeout_s, or RemoteUnavailable."""
         m = self.metrics
         if not self._connected.is_set():
-            if self.breaker.allow():
-                self._start_connect()
+            self._start_connect()
             m.errors.inc(backend=self.name, cause="connecting")
             raise RemoteUnavailable("connecting", self.backend.url)
         if not self.breaker.allow():
+            self._probe_if_due()
             m.errors.inc(backend=self.name, cause="breaker_open")
             raise RemoteUnavailable("breaker_open", self.backend.url)
         t0 = time.perf_counter()
         try:
-            if self.backend.bounds_itself and self.backend.ready():
-                out = getattr(self.backend, op)(*args, timeout_s=timeout_s, **kwargs)
+            if self.backend.bounds_itself:
+                try:
+                    out = getattr(self.backend, op)(*args, timeout_s=timeout_s, **kwargs)
+                except RemoteNotReady:   # no open connection: it is opened in a worker
+                    out = self._in_worker(op, timeout_s - (time.perf_counter() - t0), args, kwargs)
             else:
                 out = self._in_worker(op, timeout_s, args, kwargs)
         except RemoteFull:
@@ -201,7 +220,7 @@ class Guarded:
             raise RemoteUnavailable("busy", "every worker is waiting on the backend")
         fut = (self._primary if primary else self._pool).submit(self._run, op, args, kwargs, primary)
         try:
-            return fut.result(timeout=timeout_s)
+            return fut.result(timeout=max(0.0, timeout_s))
         except cf.TimeoutError:
             self.breaker.failure()
             m.errors.inc(backend=self.name, cause="timeout")
@@ -216,12 +235,41 @@ class Guarded:
                 if primary:
                     self._primary_busy = False
 
+    def _probe_if_due(self) -> None:
+        """Starts one probe (backend.ping()) in a worker when the open breaker is due for
+        one. Requests do not wait for it."""
+        with self._lock:
+            if self._probing or self._busy >= self._workers or not self.breaker.begin_probe():
+                return
+            self._probing = True
+            self._busy += 1
+        try:
+            self._pool.submit(self._probe)
+        except RuntimeError:   # closed meanwhile
+            with self._lock:
+                self._probing = False
+                self._busy -= 1
+
+    def _probe(self) -> None:
+        try:
+            self.backend.ping()
+        except Exception:
+            self.breaker.failure()
+            self.metrics.errors.inc(backend=self.name, cause="probe")
+        else:
+            self.breaker.success()
+        finally:
+            with self._lock:
+                self._probing = False
+                self._busy -= 1
+
     def close(self, timeout_s: float = 1.0) -> None:
         """Closes the backend, waiting at most timeout_s. A client must not be closed under
         a call still running in a worker (Mooncake's segfaults): when calls hang past the
-        wait, the client is left to be freed with the last reference to it instead."""
-        self._primary.shutdown(wait=False, cancel_futures=True)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        wait, the client is left to be freed with the last reference to it instead. The
+        workers are daemon threads: one stuck in a call does not hold up the exit."""
+        self._primary.shutdown()
+        self._pool.shutdown()
         end = time.monotonic() + timeout_s
         while self._busy and time.monotonic() < end:
             time.sleep(0.01)

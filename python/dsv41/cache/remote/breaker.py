@@ -1,6 +1,9 @@
 """A circuit breaker per remote backend: after `failures` consecutive faults it opens and
-calls fail at once (a miss, no waiting) for `cooldown_s`; then one probe call is let
-through (half-open): success closes it, failure opens it for another cooldown."""
+requests fail at once (a miss, no waiting). While it is open, one probe at a time may go
+out, the first `cooldown_s` after it opened and then `cooldown_s` after each failed probe
+(half-open while the probe runs; requests are still refused then): a probe's success
+closes it, its failure opens it again. The owner sends the probes (Guarded: one cheap call
+in a worker thread), so no request pays for finding out that a backend is back."""
 from __future__ import annotations
 
 import threading
@@ -13,16 +16,15 @@ CLOSED, OPEN, HALF_OPEN = 0, 1, 2  # also the values of the breaker-state gauge
 
 
 class CircuitBreaker:
-    def __init__(self, failures: int = 3, cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, failures: int = 3, cooldown_s: float = 0.25, clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[int], None] = lambda state: None):
-        if failures < 1 or cooldown_s <= 0:
+        if failures < 1 or not cooldown_s > 0:
             raise ValueError("breaker: failures must be >= 1 and cooldown_s > 0")
         self.failures, self.cooldown_s, self.clock, self.on_change = failures, cooldown_s, clock, on_change
         self._lock = threading.Lock()
         self._state = CLOSED
         self._count = 0
         self._opened_at = 0.0
-        self._probing = False
 
     @property
     def state(self) -> int:
@@ -30,28 +32,29 @@ class CircuitBreaker:
             return self._state
 
     def allow(self) -> bool:
-        """Whether a call may go out now (in half-open state: only the one probe)."""
+        """Whether a request may go out now (only while closed)."""
         with self._lock:
-            if self._state == CLOSED:
-                return True
-            if self._state == OPEN and self.clock() - self._opened_at >= self.cooldown_s:
-                self._set(HALF_OPEN)
-            if self._state == HALF_OPEN and not self._probing:
-                self._probing = True
-                return True
-            return False
+            return self._state == CLOSED
+
+    def begin_probe(self) -> bool:
+        """Whether the owner should send a probe now: open for at least cooldown_s since it
+        opened or the last probe failed. True moves it to half-open until success() or
+        failure() reports the probe's outcome."""
+        with self._lock:
+            if self._state != OPEN or self.clock() - self._opened_at < self.cooldown_s:
+                return False
+            self._set(HALF_OPEN)
+            return True
 
     def success(self) -> None:
         with self._lock:
             self._count = 0
-            self._probing = False
             if self._state != CLOSED:
                 self._set(CLOSED)
 
     def failure(self) -> None:
         with self._lock:
             self._count += 1
-            self._probing = False
             if self._state == HALF_OPEN or self._count >= self.failures:
                 self._opened_at = self.clock()
                 if self._state != OPEN:

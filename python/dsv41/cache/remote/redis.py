@@ -9,12 +9,15 @@ the server with `maxmemory-policy volatile-lru` so only such values are evicted.
 ACL users restricted to their key prefix: docs/remote.md.
 
 Calls run in the caller's thread (`bounds_itself`) while an open connection is at hand:
-sending and each read of the replies wait at most what is left of the call's deadline
-(socket timeouts), and no reply is waited for once it has passed, so Guarded needs no
-worker thread, and no handoff to one, for them. A call that would have to open a connection
-(the first ones, after an error, more concurrent calls than connections) runs in Guarded's
-worker instead, bounded there by socket_timeout_s (2 s) so that the new connection is
-kept for later calls even when the caller stopped waiting at its deadline.
+every send and every read of the replies (the backend parses them itself, RESP2 and RESP3)
+waits at most what is left of the call's deadline, so a server that stops answering or a
+link that trickles costs a call its deadline and no more, and Guarded needs no worker
+thread, and no handoff to one, for them. Only connections that served their last call
+whole are kept open; one that met any error is closed and dropped. A call that would have
+to open a connection (the first ones, after an error, more concurrent calls than
+connections) raises RemoteNotReady in the caller's thread and Guarded runs it in a worker,
+where the connect and redis-py's handshake are bounded by socket_timeout_s (2 s), so that
+the new connection is kept for later calls even when the caller stopped waiting.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .base import RemoteBackend, RemoteError, RemoteTimeout
+from .base import RemoteBackend, RemoteError, RemoteNotReady, RemoteTimeout
 
 __all__ = ["RedisBackend", "SMALL_VALUE_BYTES"]
 
@@ -61,13 +64,23 @@ def _pack(commands: list[tuple]) -> list:
 
 
 _IOV_MAX = 1024   # buffers per sendmsg (Linux's IOV_MAX)
+_MAX_BULK = 512 << 20   # Redis's proto-max-bulk-len default: no value it sends is longer
 
 
-def _send(sock, chunks: list) -> None:
+def _left(end: float) -> float:
+    """Seconds until `end` (time.monotonic()), or socket.timeout once it has passed."""
+    t = end - time.monotonic()
+    if t <= 0:
+        raise socket.timeout("deadline passed")
+    return t
+
+
+def _send(sock, chunks: list, end: float) -> None:
     """Sends the chunks in order with as few syscalls as the socket takes: sendmsg gathers
     up to _IOV_MAX of them per call (redis-py sends each chunk with a sendall of its own,
     ~65 syscalls for an MSET of 32 v41-flash blocks). TLS sockets, which have no sendmsg,
-    get one sendall per chunk. The socket's timeout bounds each call: socket.timeout is
+    get one sendall per chunk. Each call waits at most until `end` (time.monotonic()): a
+    peer that takes the bytes slowly cannot stretch the send past it. socket.timeout is
     redis.TimeoutError, any other OSError redis.ConnectionError, as in redis-py."""
     import ssl
 
@@ -75,6 +88,7 @@ def _send(sock, chunks: list) -> None:
     try:
         if isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
             for c in chunks:
+                sock.settimeout(_left(end))   # sendall's timeout bounds the whole chunk
                 sock.sendall(c)
             return
         views = []
@@ -86,6 +100,7 @@ def _send(sock, chunks: list) -> None:
                 views.append(m)
         i = 0
         while i < len(views):
+            sock.settimeout(_left(end))
             sent = sock.sendmsg(views[i: i + _IOV_MAX])
             while sent:   # drop what went out; a partly sent buffer goes again from where it stopped
                 if sent >= len(views[i]):
@@ -102,7 +117,8 @@ def _send(sock, chunks: list) -> None:
 
 class _Reader:
     """Replies read from a socket through a small buffer; a value's bytes beyond what is
-    buffered are received straight into their destination."""
+    buffered are received straight into their destination. Every receive waits at most
+    until `end` (time.monotonic()): the whole read is bounded, not each piece of it."""
 
     def __init__(self, sock, end: float, size: int = 1 << 16):
         self.sock, self.end = sock, end
@@ -112,9 +128,11 @@ class _Reader:
 
     def _recv(self, into) -> int:
         import redis
-        if time.monotonic() >= self.end:
+        left = self.end - time.monotonic()
+        if left <= 0:
             raise redis.TimeoutError("no reply within the deadline")
         try:
+            self.sock.settimeout(left)
             got = self.sock.recv_into(into)
         except socket.timeout as e:
             raise redis.TimeoutError("Timeout reading from socket") from e
@@ -166,13 +184,50 @@ class _Reader:
     def pending(self) -> int:
         return self.lim - self.pos
 
+    def reply(self):
+        """One reply: bytes (simple and bulk strings), int, None (nulls), a list (arrays);
+        an error reply raises redis.ResponseError, any other type redis.ConnectionError
+        (the call then drops the connection)."""
+        import redis
+        head = self.line()
+        kind, rest = head[:1], head[1:]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            raise redis.ResponseError(rest.decode(errors="replace"))
+        if kind == b"_":
+            return None
+        try:
+            n = int(rest)
+        except ValueError:
+            raise redis.ConnectionError(f"malformed reply {head[:32]!r}") from None
+        if kind == b":":
+            return n
+        if kind == b"$":
+            if n < 0:
+                return None
+            if n > _MAX_BULK:
+                raise redis.ConnectionError(f"a value of {n} bytes announced (Redis sends at most {_MAX_BULK})")
+            out = bytearray(n + 2)
+            self.read_into(out)
+            if out[n:] != b"\r\n":
+                raise redis.ConnectionError(f"no CRLF after a value of {n} bytes")
+            del out[n:]
+            return bytes(out)
+        if kind == b"*":
+            return None if n < 0 else [self.reply() for _ in range(n)]
+        raise redis.ConnectionError(f"unexpected reply {head[:32]!r}")
+
 
 def _read_mget_into(sock, rows, n: int, end: float) -> list[int]:
     """Reads an MGET reply of n values (RESP2, or RESP3's null) into the rows of `rows`.
     Anything but the reply expected (an error reply, another type, a missing CRLF, bytes
     after it) raises, and the call drops the connection."""
+    return _mget_into(_Reader(sock, end), rows, n)
+
+
+def _mget_into(rd: _Reader, rows, n: int) -> list[int]:
     import redis
-    rd = _Reader(sock, end)
     head = rd.line()
     if head[:1] == b"-":
         raise redis.ResponseError(head[1:].decode(errors="replace"))
@@ -243,64 +298,67 @@ class RedisBackend(RemoteBackend):
         with self._lock:
             self._idle.append(conn)
 
-    def ready(self) -> bool:
-        return bool(self._idle)
-
     @property
     def client(self):
         return self._r
 
     def _run(self, commands: list[tuple], timeout_s: float | None, read=None) -> list:
-        """The commands' replies, sent as one pipeline on one connection, within timeout_s
-        (connect and every reply). A connection that met any error is dropped; the next call
-        opens a new one. read(sock, end): reads the replies itself from the socket instead
-        of redis-py's parser (whose buffer is empty between calls: a call reads every reply
-        it asked for, and a connection with anything left to read is dropped first)."""
+        """The commands' replies, sent as one pipeline on one connection. timeout_s given
+        (the caller's thread): within timeout_s, on an open connection, else RemoteNotReady
+        before anything is sent. None (a worker): within socket_timeout_s, opening a
+        connection when none is open. A connection goes back to the idle list only when the
+        call read every reply it asked for and nothing more; any error closes it. read(rd):
+        reads the replies itself from the _Reader instead of one rd.reply() per command."""
         import redis
         limit = self.socket_timeout_s if timeout_s is None else min(timeout_s, self.socket_timeout_s)
         end = time.monotonic() + limit
-        conn = self._take()
+        conn = self._take(inline=timeout_s is not None)
         try:
-            if conn.is_connected:
-                try:
-                    if conn.can_read(timeout=0):
-                        conn.disconnect()    # a stray reply, or a closed peer
-                except (redis.ConnectionError, OSError):
-                    conn.disconnect()        # the server went away (a restart): connect again
             if getattr(conn, "_sock", None) is None:
-                # connect and handshake within what is left of the deadline (what redis-py's
-                # send_packed_command calls for a connection that is not open, redis==8.1.0)
-                conn.socket_connect_timeout = max(1e-3, end - time.monotonic())
+                # connect and handshake (a worker's call): redis-py's own timeouts
                 conn.connect_check_health(check_health=False)
-            # The socket's timeout is set to what is left of the deadline once, before the
-            # send and the reads (redis-py's per-read timeout argument would set and reset it
-            # around every recv: two syscalls each).
             sock = conn._sock
-            sock.settimeout(max(1e-3, end - time.monotonic()))
-            _send(sock, _pack(commands))
-            if read is not None:
-                return read(sock, end)
-            out = []
-            for _ in commands:
-                if end - time.monotonic() <= 0:
-                    raise redis.TimeoutError(f"no reply within {limit * 1e3:.0f} ms")
-                out.append(conn.read_response())
-            return out
-        except redis.TimeoutError as e:
+            _send(sock, _pack(commands), end)
+            rd = _Reader(sock, end)
+            out = read(rd) if read is not None else [rd.reply() for _ in commands]
+            if rd.pending:
+                raise redis.ConnectionError(f"{rd.pending} bytes after the replies")
+        except (redis.TimeoutError, socket.timeout) as e:
             conn.disconnect()
-            raise RemoteTimeout(str(e)) from e
+            raise RemoteTimeout(f"no reply within {limit * 1e3:.0f} ms ({e})") from e
         except BaseException:
             conn.disconnect()
             raise
-        finally:
-            with self._lock:
-                self._idle.append(conn)
-
-    def _take(self):
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self._r.connection_pool.make_connection()   # connects on first use, under the deadline
+            self._idle.append(conn)
+        return out
+
+    def _take(self, inline: bool):
+        """An idle open connection (one the server closed meanwhile, or that has bytes
+        waiting, is dropped); else, in a worker, a new unopened one, and RemoteNotReady in
+        the caller's thread."""
+        import redis
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                break
+            try:
+                if not conn.can_read(timeout=0):
+                    return conn
+            except (redis.ConnectionError, OSError):
+                pass
+            conn.disconnect()       # a stray reply, or a closed peer (a restarted server)
+        if inline:
+            raise RemoteNotReady("no open connection")
+        if self._r is None:
+            raise RemoteError(f"{self.url}: not connected")
+        return self._r.connection_pool.make_connection()
+
+    def ping(self) -> None:
+        (pong,) = self._run([("PING",)], None)
+        if pong != b"PONG":
+            raise RemoteError(f"{self.url}: PING answered {pong!r}")
 
     def exists(self, keys: Sequence[str], timeout_s: float | None = None) -> list[bool]:
         if not keys:
@@ -328,8 +386,7 @@ class RedisBackend(RemoteBackend):
             return []
         if rows.dtype != np.uint8 or rows.ndim != 2 or len(rows) < len(keys) or not rows.flags.c_contiguous:
             raise ValueError("get_into: rows must be C-contiguous uint8 [n, row]")
-        return self._run([("MGET", *keys)], timeout_s,
-                         read=lambda sock, end: _read_mget_into(sock, rows, len(keys), end))
+        return self._run([("MGET", *keys)], timeout_s, read=lambda rd: _mget_into(rd, rows, len(keys)))
 
     def put(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None, overwrite: bool = False,
             timeout_s: float | None = None) -> None:

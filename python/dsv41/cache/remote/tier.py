@@ -72,7 +72,7 @@ class RemoteConfig:
     snapshot_ttl_s: float | None = 300.0    # since last use (Redis); since the write elsewhere
     queue_items: int = 256                  # pending writes before new ones are dropped
     breaker_failures: int = 3
-    breaker_cooldown_s: float = 5.0
+    breaker_cooldown_s: float = 0.25         # an open breaker probes this often
     max_lookup_blocks: int = 1024           # blocks fetched by one lookup
 
 
