@@ -8,7 +8,6 @@ import torch
 from dsv41.cache import global_pool
 from dsv41.cache.global_pool import GlobalKVPool
 
-from ..conftest import requires_cuda
 from .helpers import LAYOUT
 
 
@@ -40,7 +39,7 @@ def test_cpu_pool_keeps_its_indexing_path(monkeypatch):
     assert calls == []  # the kernel is for CUDA pools only
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("source", ["pinned", "pageable", "cuda"])
 def test_cuda_pool_moves_blocks_with_copy_blocks(monkeypatch, source):
     calls = _spy(monkeypatch)

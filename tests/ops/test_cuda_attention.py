@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from .kernel_cases import (DEVICE, assert_within_bf16_error, attention_inputs, bf16_attention,
-                           needs_device, reference, replay_window_idx, to_device)
+                           reference, replay_window_idx, to_device)
 
-pytestmark = needs_device
+pytestmark = pytest.mark.gpu(cpu_dry_run=True)
 ATOL = 2e-4
 
 
