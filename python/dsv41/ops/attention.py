@@ -56,7 +56,8 @@ class AttentionPlan:
     heads of dim head_dim on `device`. kernel: "mma", "wgmma" or "generic" on CUDA,
     "reference" on the CPU. fallback: why the plan runs the generic kernel although a
     tensor-core kernel was wanted ("" otherwise). workspace: the split partials (float32,
-    device memory the plan owns; None with one split)."""
+    device memory the plan owns; None with one split), reused by every call with the plan:
+    calls on one stream are ordered, concurrent streams need a plan each."""
 
     num_queries: int
     num_heads: int
