@@ -9,6 +9,11 @@ What gets compiled:
     is found (the toolkit's or the nvidia-cufile wheel's; DSV41_CUFILE=0 leaves it out).
     libcufile itself is loaded with dlopen at run time, never linked.
 
+libstdc++: the extension links against the very libstdc++ the running torch loaded (by full
+path, ahead of the compiler driver's own -lstdc++), and the build fails if the linked
+extension still defines libstdc++'s own symbols (dsv41/toolchain.py says why: a private
+copy of libstdc++ crashes every error message that formats a number).
+
 CUDA is used when torch is a CUDA build and nvcc is found (CUDA_HOME, else
 /usr/local/cuda, else nvcc on PATH); DSV41_CUDA=0 or 1 forces either way (1 fails loudly
 if CUDA cannot be used). No GPU is needed to compile. Install with
@@ -17,6 +22,7 @@ if CUDA cannot be used). No GPU is needed to compile. Install with
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import shutil
 import sys
@@ -25,6 +31,18 @@ from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCH_LIST = "9.0a"
+
+
+def _load_toolchain():
+    """python/dsv41/toolchain.py by path: the package itself is not importable yet."""
+    spec = importlib.util.spec_from_file_location(
+        "dsv41_toolchain", os.path.join(ROOT, "python", "dsv41", "toolchain.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+toolchain = _load_toolchain()
 
 
 def _is_toolkit(home: str | None) -> bool:
@@ -84,11 +102,17 @@ def _extensions():
     # asks, so classes bound with it do not export more than pybind11's own types.
     cxx = ["-O3", "-fvisibility=hidden"]
     nvcc = ["-O3", "-lineinfo"]
+    compiler = toolchain.compiler_info()
+    libstdcxx = toolchain.loaded_libstdcxx()
     macros = [("DSV41_BUILD_TORCH_VERSION", f'"{torch.__version__}"')]
     kwargs = dict(
         name="dsv41._C",
         include_dirs=[os.path.join(ROOT, "include")],
         define_macros=macros,
+        # Listed before the driver's implicit -lstdc++, the runtime's libstdc++ resolves every
+        # std:: reference, so no member of a libstdc++.a (a toolchain's -static-libstdc++, or
+        # a lib folder without libstdc++.so) is ever pulled in.
+        extra_link_args=[libstdcxx] if libstdcxx else [],
     )
     if use_cuda:
         arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
@@ -107,9 +131,32 @@ def _extensions():
     cufile = ("DSV41_WITH_CUFILE", "1") in macros
     print(f"dsv41: building with CUDA={'yes' if use_cuda else 'no'}"
           + (f" (CUDA_HOME={cuda_home}, arch={os.environ['TORCH_CUDA_ARCH_LIST']}, "
-             f"cuFile={'yes' if cufile else 'no'})" if use_cuda else ""))
+             f"cuFile={'yes' if cufile else 'no'})" if use_cuda else "")
+          + f"; C++ compiler {compiler['path'] or compiler['cxx']} ({compiler['version']});"
+          f" libstdc++ {libstdcxx or 'not found in this process: link not pinned'}")
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
-    return [module], {"build_ext": ext.BuildExtension.with_options(use_ninja=True)}
+    return [module], {"build_ext": _checked_build_ext(ext.BuildExtension.with_options(use_ninja=True),
+                                                      libstdcxx)}
+
+
+def _checked_build_ext(base, libstdcxx: str | None):
+    """torch's build_ext, then the post-link check of toolchain.check_linked_extension: an
+    extension that defines libstdc++'s own symbols is removed and the build fails."""
+
+    class CheckedBuildExt(base):
+        def build_extension(self, extension):
+            super().build_extension(extension)
+            if not libstdcxx:
+                return
+            path = self.get_ext_fullpath(extension.name)
+            try:
+                toolchain.check_linked_extension(path, libstdcxx)
+            except toolchain.PrivateLibstdcxxError as e:
+                sys.exit(f"dsv41: {e}")
+            print(f"dsv41: {os.path.basename(path)} defines no libstdc++ symbols of its own "
+                  f"(checked against {libstdcxx})")
+
+    return CheckedBuildExt
 
 
 ext_modules, cmdclass = _extensions()

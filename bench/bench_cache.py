@@ -56,7 +56,7 @@ from dsv41.cache import CacheConfig, PrefixCache, TensorSnapshot  # noqa: E402
 from dsv41.cache import io as cio  # noqa: E402
 from dsv41.cache.hashing import BlockHasher, CacheKey, model_fingerprint  # noqa: E402
 from dsv41.cache.layout import PAYLOAD_FORMAT_VERSION, BlockLayout  # noqa: E402
-from dsv41.cache.persistent import PersistentStore, StoreIdentity  # noqa: E402
+from dsv41.cache.store import PersistentStore, StoreIdentity  # noqa: E402
 from dsv41.cache.swa_pool import SwaSnapshotPool  # noqa: E402
 from dsv41.config import ModelConfig  # noqa: E402
 

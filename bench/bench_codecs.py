@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import dsv41  # noqa: E402
 from _kernel_bench import time_cuda  # noqa: E402  (bench/ is on sys.path when run as a script)
+from _meta import git_commit  # noqa: E402
 from dsv41 import formats  # noqa: E402
 
 CODECS = ("nvfp4", "mxfp4", "fp8_swa", "fp8_v4")
@@ -139,14 +139,6 @@ def bench_cuda(rows: int, dim: int, repeat: int, refcheck: bool) -> list[dict]:
                   f"  = {row['fraction_of_copy_bandwidth']:.2f} of copy ({row['copy_GBps']:.0f} GB/s)",
                   file=sys.stderr)
     return out
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main(argv=None) -> int:

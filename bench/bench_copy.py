@@ -28,7 +28,7 @@ def refcheck() -> dict:
     dev = torch.zeros(80, 4104, dtype=torch.uint8, device="cuda")
     src, dst = torch.randperm(64)[:50], torch.randperm(80)[:50]
     torch.ops.dsv41.copy_blocks(host, src, dev, dst)
-    back = torch.zeros_like(host)
+    back = torch.zeros_like(host).pin_memory()  # copy_blocks takes pinned host pools only
     torch.ops.dsv41.copy_blocks(dev, dst, back, src)
     torch.cuda.synchronize()
     ok = torch.equal(dev.cpu()[dst], host[src]) and torch.equal(back[src], host[src])

@@ -31,6 +31,8 @@ from dsv41 import Model, ModelConfig  # noqa: E402
 from dsv41.config import MODE_FULL, MODE_REINDEX, PART_ENCODER  # noqa: E402
 from dsv41.model import Extend  # noqa: E402
 
+from _meta import git_commit  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 
 def log(msg: str) -> None:
     print(f"[bench_replay] {msg}", file=sys.stderr, flush=True)
@@ -148,15 +150,6 @@ def bench_ttft(model: Model, prefixes: list[int], suffix: int, block: int, seed:
     return out
 
 
-def _commit() -> str | None:
-    import subprocess
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="v41-small")
@@ -181,7 +174,7 @@ def main(argv=None) -> int:
            "host": platform.node(), "cpu_count": os.cpu_count(), "window": config.sliding_window,
            "published": {"sglang_decoder_replay_speedup_8xH200_batch8_8K": 1.56},
            "command": "python bench/bench_replay.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+           "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if not args.skip_throughput:
         res["decoder_replay_prefill"] = bench_decoder_replay(model, args.batch, args.lengths, args.seed)
     if not args.skip_ttft:

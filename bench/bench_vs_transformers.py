@@ -32,8 +32,12 @@ from dsv41 import Model  # noqa: E402
 
 
 def hf_model(seed: int):
+    """The benchmark's random V4 model: transformers' DeepseekV4ForCausalLM drawn by the
+    factory the oracle tests use (dsv41.model.oracle.random_deepseek_v4)."""
     import transformers
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    from transformers import DeepseekV4Config
+
+    from dsv41.model.oracle import random_deepseek_v4
     n = 8
     cfg = DeepseekV4Config(
         vocab_size=1024, hidden_size=256, num_hidden_layers=n, num_attention_heads=8,
@@ -47,22 +51,7 @@ def hf_model(seed: int):
         rope_parameters={"rope_type": "yarn", "factor": 4.0,
                          "original_max_position_embeddings": 16384, "beta_fast": 32,
                          "beta_slow": 1})
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(cfg).float().eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and "position_bias" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-            elif name.endswith("weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                b.copy_(torch.rand(b.shape[0], cfg.n_routed_experts, generator=g)
-                        .argsort(-1)[:, :b.shape[1]])
-    return transformers, model
+    return transformers, random_deepseek_v4(cfg, seed)
 
 
 def main() -> int:

@@ -276,7 +276,9 @@ def test_json_round_trip(tmp_path, name):
     path = tmp_path / f"{name}.json"
     cfg.to_json(path)
     written = json.loads(path.read_text())
-    assert "text_config" in written and "num_hidden_layers" in written["text_config"]
+    assert written["num_hidden_layers"] == cfg.num_layers and "text_config" not in written
+    # transformers' model type only where transformers builds this very model
+    assert written["model_type"] == ("deepseek_v4" if name.startswith("v4-") else "dsv41")
     back = ModelConfig.from_json(path)
     assert back == cfg and back.fingerprint() == cfg.fingerprint()
     assert back.layer_plan() == cfg.layer_plan()
@@ -309,8 +311,8 @@ def with_ratio(cfg: ModelConfig, layer: int, ratio: int) -> ModelConfig:
     (lambda: FLASH.replace(index_source_layer_ids=(2, 14, 20, 24, 28, 32, 36)),
      r"layer 8: KV source owns no indexer"),
     (lambda: with_ratio(FLASH, 5, 3), r"layer 5: compress ratio 3 not supported"),
-    (lambda: with_ratio(ModelConfig.preset("v4-flash"), 3, 2),
-     r"layer 3: compress ratio 2 not supported by fp8_v4"),
+    (lambda: with_ratio(ModelConfig.preset("v4-flash"), 3, 1),
+     r"layer 3: compress ratio 1 not supported by fp8_v4 \(supported: 0 and any ratio >= 2\)"),
     (lambda: FLASH.replace(index_source_layer_ids=(2, 8, 10, 14, 20, 24, 28, 32, 36)),
      r"layer 10: Reindex layer in the encoder"),
     (lambda: with_ratio(FLASH, 21, 2), r"layer 21: decoder layer reads encoder KV source 14"),
@@ -329,10 +331,11 @@ def with_ratio(cfg: ModelConfig, layer: int, ratio: int) -> ModelConfig:
     (lambda: FLASH.replace(index_source_layer_ids=(1, 2, 8, 14, 20, 24, 28, 32, 36)),
      r"index_source_layer_ids: layer 1 has compress ratio 0"),
     (lambda: FLASH.replace(kv_source_layer_ids=(8, 2, 14, 20)), r"sorted and unique"),
-    (lambda: ModelConfig.preset("v41-tiny").replace(head_dim=48),
-     r"head_dim=48 does not fit"),
-    (lambda: ModelConfig.preset("v41-tiny").replace(index_head_dim=48),
-     r"index_head_dim=48 does not fit"),
+    # the stored formats' blocks: checked by the stored model, the budget and the cache
+    (lambda: ModelConfig.preset("v41-tiny").replace(head_dim=48).check_stored_formats(),
+     r"does not fit the nvfp4 stored KV formats: head_dim=48 \(fp8_swa"),
+    (lambda: ModelConfig.preset("v41-tiny").replace(index_head_dim=48).check_stored_formats(),
+     r"stored KV formats: index_head_dim=48 \(mxfp4"),
     (lambda: ModelConfig.preset("v41-tiny").replace(o_groups=3),
      r"num_heads=4 is not divisible by o_groups=3"),
     (lambda: FLASH.replace(sliding_window=0), r"sliding_window must be positive"),
@@ -373,3 +376,32 @@ def test_too_few_compress_ratios_in_json():
     with pytest.raises(ConfigError, match=r"compress_ratios has 39 entries, fewer than "
                                           r"num_layers=40"):
         ModelConfig.from_dict(d)
+
+
+def test_config_package_has_no_import_circle():
+    """Every import between the config modules (module level, inside functions and under
+    TYPE_CHECKING alike) runs one way: values <- plan, json_io, presets <- model."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parents[1] / "python" / "dsv41" / "config"
+    names = {p.stem for p in pkg.glob("*.py") if p.stem != "__init__"}
+    edges = {}
+    for name in names:
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    deps.add(node.module.split(".")[0])
+                else:
+                    deps.update(a.name for a in node.names)
+        edges[name] = deps & names
+
+    def reaches(start, goal, seen=()):
+        return any(d == goal or (d not in seen and reaches(d, goal, seen + (d,)))
+                   for d in edges[start])
+
+    circles = sorted(n for n in names if reaches(n, n))
+    assert circles == [], {n: sorted(edges[n]) for n in circles}
+    assert edges["values"] == set() and "model" not in set().union(*edges.values())

@@ -41,7 +41,8 @@ def test_transformers_layer_lists_are_checked():
     d["layer_types"][3] = "sliding_attention"
     d["mlp_layer_types"] = ["moe", "hash_moe", "moe", "moe"]
     del d["n_hash_layers"]
-    with pytest.raises(ConfigError, match="only as a prefix"):
+    with pytest.raises(ConfigError, match=r"layer 1 routes by token id \(hash_moe\) after "
+                                          r"layer 0, which routes by score"):
         ModelConfig.from_dict(d)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -65,3 +66,69 @@ def test_smoke_cases_fail_cleanly_without_a_gpu():
     p = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_smoke.py"), "topk"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and json.loads(p.stdout) == {"case": "topk", "ok": False, "error": "no CUDA GPU visible"}
+
+
+def _junit(path: Path, tests: int, failures: int = 0, skipped: int = 0) -> None:
+    cases = "".join(f'<testcase classname="t" name="c{i}"/>' for i in range(tests - failures - skipped))
+    cases += "".join(f'<testcase classname="t" name="f{i}"><failure message="boom"/></testcase>' for i in range(failures))
+    cases += "".join(f'<testcase classname="t" name="s{i}"><skipped message="why"/></testcase>' for i in range(skipped))
+    path.write_text(f'<testsuites><testsuite tests="{tests}" failures="{failures}" errors="0" '
+                    f'skipped="{skipped}">{cases}</testsuite></testsuites>')
+
+
+def _work(tmp_path: Path, files: dict) -> Path:
+    """A gpu_check work folder whose expected test files ended as `files` says: name ->
+    (rc, tests, failures, skipped), or (rc,) for a process that wrote no report."""
+    (tmp_path / "pytest").mkdir()
+    (tmp_path / "pytest" / "expected.txt").write_text("".join(f"{n}\n" for n in files))
+    for name, outcome in files.items():
+        (tmp_path / f"pytest_{name}.rc").write_text(f"{outcome[0]}\n")
+        if len(outcome) > 1:
+            _junit(tmp_path / "pytest" / f"{name}.xml", *outcome[1:])
+    return tmp_path
+
+
+def test_verdict_passes_only_when_every_gpu_test_file_ran_and_passed(tmp_path):
+    s = gpu_check_report.summarize(_work(tmp_path, {"test_codecs": (0, 5, 0, 1), "test_gpu": (0, 3, 0, 0)}))
+    assert (s["verdict"], s["verdict_reasons"]) == ("pass", [])
+    assert s["tests_expected"] == ["test_codecs", "test_gpu"]
+
+
+@pytest.mark.parametrize("outcome,why", [
+    ((1, 5, 2, 0), "2 failed"),
+    (("skipped",), "not run (deadline)"),
+    ((139,), "no JUnit report"),           # a segfault: the first GPU run's failure
+    ((0, 4, 0, 4), "no test passed"),      # every test skipped: nothing was checked
+])
+def test_verdict_fails_for_a_test_file_that_did_not_run_and_pass(tmp_path, outcome, why):
+    s = gpu_check_report.summarize(_work(tmp_path, {"test_codecs": (0, 5, 0, 0), "test_gpu": outcome}))
+    assert s["verdict"] == "fail"
+    assert any(r.startswith("test_gpu: ") and why in r for r in s["verdict_reasons"]), s["verdict_reasons"]
+
+
+def test_report_inlines_the_toolchain_model_runs_and_an_absent_benchmark(tmp_path):
+    work = _work(tmp_path, {"test_build": (0, 2, 0, 0)})
+    (work / "toolchain.json").write_text(json.dumps({"ok": True, "libstdcxx_loaded": "/lib/libstdc++.so.6"}))
+    (work / "build_check.rc").write_text("0\n")
+    (work / "model").mkdir()
+    (work / "model" / "v41_small.json").write_text(json.dumps({"ok": True, "paths": {}}))
+    (work / "model_v41_small.rc").write_text("0\n")
+    (work / "model_flash_width.rc").write_text("124\n")  # hit its cap before writing a report
+    (work / "bench").mkdir()
+    (work / "bench" / "decode.json").write_text(json.dumps({"benchmark": "decode", "skipped": "not in this tree"}))
+    s = gpu_check_report.summarize(work)
+    assert s["toolchain"]["libstdcxx_loaded"] == "/lib/libstdc++.so.6"
+    assert s["model"]["v41_small"]["ok"] is True
+    assert s["model"]["flash_width"]["ok"] is False and "124" in s["model"]["flash_width"]["error"]
+    assert s["benchmarks"]["decode"]["skipped"] == "not in this tree"
+    assert s["verdict"] == "fail" and s["verdict_reasons"] == ["step model_flash_width failed (rc=124)"]
+
+
+def test_every_gpu_marked_test_file_is_run_by_the_gpu_check():
+    # A GPU test file missing from gpu_check.sh's list would never run anywhere.
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    listed = set(re.findall(r"\btests/[\w/]+\.py\b", script))
+    marked = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+              if re.search(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\b.*\bpytest\.mark\.gpu\b)|marks=pytest\.mark\.gpu\b",
+                           p.read_text(), re.M)}
+    assert marked and marked <= listed, sorted(marked - listed)

@@ -82,16 +82,16 @@ __global__ void __launch_bounds__(kThreads)
   float4 out;
   if constexpr (C == Codec::kFp8Swa) {
     const uint32_t q = reinterpret_cast<const uint32_t*>(codes)[idx];
-    out.x = fmt::e4m3_decode(q & 0xFF) * s;
-    out.y = fmt::e4m3_decode((q >> 8) & 0xFF) * s;
-    out.z = fmt::e4m3_decode((q >> 16) & 0xFF) * s;
-    out.w = fmt::e4m3_decode(q >> 24) * s;
+    out.x = fmt::scaled_value(fmt::e4m3_decode(q & 0xFF), s);
+    out.y = fmt::scaled_value(fmt::e4m3_decode((q >> 8) & 0xFF), s);
+    out.z = fmt::scaled_value(fmt::e4m3_decode((q >> 16) & 0xFF), s);
+    out.w = fmt::scaled_value(fmt::e4m3_decode(q >> 24), s);
   } else {
     const uint16_t q = reinterpret_cast<const uint16_t*>(codes)[idx];
-    out.x = fmt::e2m1_decode(q & 0xF) * s;
-    out.y = fmt::e2m1_decode((q >> 4) & 0xF) * s;
-    out.z = fmt::e2m1_decode((q >> 8) & 0xF) * s;
-    out.w = fmt::e2m1_decode(q >> 12) * s;
+    out.x = fmt::scaled_value(fmt::e2m1_decode(q & 0xF), s);
+    out.y = fmt::scaled_value(fmt::e2m1_decode((q >> 4) & 0xF), s);
+    out.z = fmt::scaled_value(fmt::e2m1_decode((q >> 8) & 0xF), s);
+    out.w = fmt::scaled_value(fmt::e2m1_decode(q >> 12), s);
   }
   y[idx] = out;
 }

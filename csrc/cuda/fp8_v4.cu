@@ -75,14 +75,12 @@ __global__ void __launch_bounds__(kThreads)
         fmt::ue8m0_to_float(ie[fmt::fp8_v4_scale_offset(shape.nope, shape.rope) + part]);
     const uint8_t* it = ie + part * fmt::kFp8V4Tile;
     float* yt = ye + part * fmt::kFp8V4Tile;
-    yt[lane] = fmt::e4m3_decode(it[lane]) * s;
-    yt[lane + 32] = fmt::e4m3_decode(it[lane + 32]) * s;
+    yt[lane] = fmt::scaled_value(fmt::e4m3_decode(it[lane]), s);
+    yt[lane + 32] = fmt::scaled_value(fmt::e4m3_decode(it[lane + 32]), s);
     return;
   }
-  for (int i = lane; i < shape.rope; i += 32) {
-    const uint16_t h = static_cast<uint16_t>(ie[shape.nope + 2 * i] | (ie[shape.nope + 2 * i + 1] << 8));
-    ye[shape.nope + i] = fmt::bf16_to_float(h);
-  }
+  for (int i = lane; i < shape.rope; i += 32)
+    ye[shape.nope + i] = fmt::fp8_v4_rope_decode(ie + shape.nope + 2 * i);
 }
 
 int64_t grid_for(int64_t n_entries, Fp8V4Shape shape) {

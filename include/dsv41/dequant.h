@@ -207,7 +207,8 @@ namespace dq {
 
 // The decoder self-check's unit (CPU and GPU run this same function): group g (8 dims) of
 // one stored row through the fast decoders, back to float32 in natural order, with the
-// folded constant removed. fmt: 0 NVFP4, 1 MXFP4, 2 FP8 SWA (dsv41::KvFormat values).
+// folded constant removed. A NaN comes out as the formats' canonical 0x7FC00000; the bf16
+// NaN inside the fast path is whatever the bf16x2 multiply writes (hardware-defined). fmt: 0 NVFP4, 1 MXFP4, 2 FP8 SWA (dsv41::KvFormat values).
 DSV41_HD void decode_group_natural(int fmt, const uint8_t* codes_row, const uint8_t* scales_row,
                                    int g, float y[8]) {
   uint32_t o[4];
@@ -227,7 +228,7 @@ DSV41_HD void decode_group_natural(int fmt, const uint8_t* codes_row, const uint
   }
   for (int p = 0; p < 8; ++p) {
     const uint16_t h = static_cast<uint16_t>(o[p >> 1] >> (16 * (p & 1)));
-    y[perm8_dim(p)] = bf16_to_float(h) * mult;
+    y[perm8_dim(p)] = fmt::scaled_value(bf16_to_float(h), mult);
   }
 }
 

@@ -32,6 +32,10 @@
 //     Such a block is stored poisoned: its scale is the NaN code (E4M3 0x7F, UE8M0 0xFF)
 //     and its codes are 0, so the whole block decodes to NaN. Every path does the same,
 //     so even garbage in gives identical bits everywhere and is visible on decode.
+//   * Every NaN a decoder writes is the canonical float32 NaN 0x7FC00000 (kF32NaN). IEEE
+//     754 leaves a NaN result's sign and payload to the hardware: x86 returns the NaN
+//     operand (a NaN scale code 0xFF of E4M3 decodes to -NaN, 0xFFC00000), NVIDIA GPUs
+//     write 0x7FFFFFFF. Decoders therefore pass each product through scaled_value().
 #pragma once
 
 #include <cstdint>
@@ -83,6 +87,18 @@ DSV41_HD float bits_float(uint32_t u) {
 
 DSV41_HD bool is_finite(float x) { return (float_bits(x) & 0x7F800000u) != 0x7F800000u; }
 
+constexpr uint32_t kF32NaN = 0x7FC00000u;  // the one NaN every decoder writes
+
+// x, or the canonical NaN if x is any NaN. A bit test, not x != x, so that no compiler
+// flag (fast-math) can fold it away.
+DSV41_HD float canonical_nan(float x) {
+  return (float_bits(x) & 0x7FFFFFFFu) > 0x7F800000u ? bits_float(kF32NaN) : x;
+}
+
+// A decoded element times its block's decoded scale: the product every decoder (CPU loop,
+// CUDA kernel) writes, with its NaN bits fixed by the format rather than the hardware.
+DSV41_HD float scaled_value(float v, float s) { return canonical_nan(v * s); }
+
 // ---- bf16 -----------------------------------------------------------------------------
 
 DSV41_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
@@ -98,7 +114,7 @@ DSV41_HD uint16_t float_to_bf16_rne(float f) {
 
 // 2^(e - 127) for a UE8M0 code e in [0, 254]; e == 0 gives the subnormal 2^-127.
 DSV41_HD float ue8m0_to_float(uint8_t e) {
-  if (e == kUE8M0NaN) return bits_float(0x7FC00000u);
+  if (e == kUE8M0NaN) return bits_float(kF32NaN);
   if (e == 0) return bits_float(0x00400000u);
   return bits_float(static_cast<uint32_t>(e) << 23);
 }
@@ -172,7 +188,7 @@ DSV41_HD float e4m3_decode(uint8_t code) {
   const uint32_t mag = code & 0x7Fu;
   float v;
   if (mag == 0x7Fu) {
-    v = bits_float(0x7FC00000u);
+    v = bits_float(kF32NaN);
   } else if ((mag >> 3) == 0) {
     v = static_cast<float>(mag) * 0.001953125f;  // m * 2^-9, exact
   } else {
@@ -244,8 +260,8 @@ template <int N>
 DSV41_HD void decode_e2m1_packed(const uint8_t* codes, float s, float* y) {
   DSV41_UNROLL
   for (int k = 0; k < N / 2; ++k) {
-    y[2 * k] = e2m1_decode(codes[k] & 0xF) * s;
-    y[2 * k + 1] = e2m1_decode(codes[k] >> 4) * s;
+    y[2 * k] = scaled_value(e2m1_decode(codes[k] & 0xF), s);
+    y[2 * k + 1] = scaled_value(e2m1_decode(codes[k] >> 4), s);
   }
 }
 
@@ -292,7 +308,7 @@ DSV41_HD void fp8_swa_encode_block(const float* x, uint8_t* values, uint8_t* sca
 DSV41_HD void fp8_swa_decode_block(const uint8_t* values, uint8_t scale, float* y) {
   const float s = ue8m0_to_float(scale);
   DSV41_UNROLL
-  for (int i = 0; i < kFp8SwaBlock; ++i) y[i] = e4m3_decode(values[i]) * s;
+  for (int i = 0; i < kFp8SwaBlock; ++i) y[i] = scaled_value(e4m3_decode(values[i]), s);
 }
 
 // ---- FP8 V4 main KV ---------------------------------------------------------------------
@@ -337,6 +353,12 @@ DSV41_HD uint16_t fp8_v4_rope_encode(float x) {
   return (float_bits(x) & 0x7FFFFFFFu) > 0x7F800000u ? kBf16NaN : float_to_bf16_rne(x);
 }
 
+// A stored RoPE dim (two little-endian bytes of bf16) widened to float32. The encoder only
+// stores 0x7FC0 for NaN; any other NaN pattern (a foreign writer) decodes canonical too.
+DSV41_HD float fp8_v4_rope_decode(const uint8_t* b) {
+  return canonical_nan(bf16_to_float(static_cast<uint16_t>(b[0] | (b[1] << 8))));
+}
+
 // One tile: 64 values -> 64 E4M3 bytes + 1 UE8M0 scale.
 DSV41_HD void fp8_v4_encode_tile(const float* x, float floor, uint8_t* values, uint8_t* scale) {
   bool finite;
@@ -369,10 +391,9 @@ DSV41_HD void fp8_v4_decode_entry(const uint8_t* in, int nope, int rope, float* 
     const float s = ue8m0_to_float(in[scale_off + t]);
     DSV41_UNROLL
     for (int i = 0; i < kFp8V4Tile; ++i)
-      y[t * kFp8V4Tile + i] = e4m3_decode(in[t * kFp8V4Tile + i]) * s;
+      y[t * kFp8V4Tile + i] = scaled_value(e4m3_decode(in[t * kFp8V4Tile + i]), s);
   }
-  for (int i = 0; i < rope; ++i)
-    y[nope + i] = bf16_to_float(static_cast<uint16_t>(in[nope + 2 * i] | (in[nope + 2 * i + 1] << 8)));
+  for (int i = 0; i < rope; ++i) y[nope + i] = fp8_v4_rope_decode(in + nope + 2 * i);
 }
 
 }  // namespace fmt

@@ -1,5 +1,5 @@
 // Persistent-cache record format, version 1: the header layout and the check every read
-// runs. Framework-free. python/dsv41/cache/store_format.py writes the same bytes (REC_HEADER)
+// runs. Framework-free. python/dsv41/cache/store/format.py writes the same bytes (REC_HEADER)
 // and docs/cache.md describes them; the three must agree.
 //
 //   [0, 256)                  RecordHeaderV1 (little-endian)

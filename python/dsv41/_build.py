@@ -9,11 +9,13 @@ def build_info() -> dict:
 
     Keys: cuda_compiled, cuda_arch_list, cuda_version (toolkit the kernels were built
     with, or None), torch_version, built_with_torch, torch_cuda_version, cuda_available,
-    devices, host_compiler, extension, io_backend ("gds" or "posix": the persistent
-    cache's I/O path), io_detail, crc32c.
+    devices, host_compiler, libstdcxx_loaded (the libstdc++ this process mapped; setup.py
+    links against the one torch loads), extension, io_backend ("gds" or "posix": the
+    persistent cache's I/O path), io_detail, crc32c.
     """
     from . import __version__
     from ._ext import _C
+    from .toolchain import loaded_libstdcxx
 
     compiled = dict(_C._compiled_config())
     rt = compiled.pop("cuda_runtime_version")
@@ -29,6 +31,7 @@ def build_info() -> dict:
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available() else [],
         "host_compiler": compiled.get("host_compiler"),
+        "libstdcxx_loaded": loaded_libstdcxx(),
         "extension": _C.__file__,
     }
     from .cache.io import io_info

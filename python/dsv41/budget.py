@@ -161,6 +161,7 @@ class KVBudget:
 
 
 def kv_budget(config: ModelConfig) -> KVBudget:
+    config.check_stored_formats()     # the budget counts the stored formats' bytes
     entry, key, swa = main_entry_bytes(config), index_key_bytes(config), swa_entry_bytes(config)
     rows = []
     main_total = index_total = Fraction(0)

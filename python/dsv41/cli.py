@@ -88,15 +88,14 @@ def _cmd_digest(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .config import ConfigError, ModelConfig
     from .gpu_plan import StoredFormat, format_plan, memory_plan
+    from .model.weights import read_quantization
 
     try:
         if args.config:
             config = ModelConfig.from_json(args.config)
             with open(args.config) as f:
                 raw = json.load(f)
-            quant = raw.get("quantization_config") or raw.get("text_config", {}).get(
-                "quantization_config") or {}
-            fmt = StoredFormat.for_config(config, quant)
+            fmt = StoredFormat.for_config(config, read_quantization(raw) or {})
         else:
             config = ModelConfig.preset(args.preset)
             fmt = StoredFormat.for_config(config)

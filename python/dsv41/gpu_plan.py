@@ -41,8 +41,9 @@ class StoredFormat:
     @classmethod
     def for_config(cls, config: ModelConfig, quantization_config: dict | None = None
                    ) -> StoredFormat:
-        """From a checkpoint's quantization_config; without one, the full-size presets
-        (`*-flash`) are DeepSeek's FP8 + FP4 release and the others bf16."""
+        """From the formats a checkpoint's config.json states (`model.weights.
+        read_quantization`); without any, the full-size presets (`*-flash`) are DeepSeek's
+        FP8 + FP4 release and the others bf16."""
         q = quantization_config
         if q is None:
             return cls() if config.name.endswith("flash") else cls("bf16", "bf16")
@@ -50,7 +51,7 @@ class StoredFormat:
             return cls("bf16", "bf16")
         block = int((q.get("weight_block_size") or [128, 128])[0])
         experts = str(q.get("expert_dtype") or "fp8").lower()
-        return cls("fp8", experts, block)
+        return cls(str(q.get("dense_dtype") or "fp8"), experts, block)
 
     def linear_bytes(self, out_dim: int, in_dim: int, fmt: str) -> int:
         if fmt == "bf16":

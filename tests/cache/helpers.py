@@ -9,7 +9,7 @@ import numpy as np
 
 from dsv41.cache.hashing import BlockHasher, CacheKey, model_fingerprint, sha256
 from dsv41.cache.layout import PAYLOAD_FORMAT_VERSION, BlockLayout
-from dsv41.cache.persistent import PersistentStore, StoreIdentity
+from dsv41.cache.store import PersistentStore, StoreIdentity
 from dsv41.config import ModelConfig
 
 TINY = ModelConfig.preset("v41-tiny")

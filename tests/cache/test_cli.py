@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from dsv41.cache import store_format as sf
+from dsv41.cache.store import format as sf
 from dsv41.cache.cli import parse_size
 from dsv41.cli import main
 

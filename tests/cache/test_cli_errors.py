@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from dsv41.cache import store_format as sf
+from dsv41.cache.store import format as sf
 from dsv41.cache.store import files as _files
 from dsv41.cli import main
 

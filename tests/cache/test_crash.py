@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from dsv41.cache.hashing import decode_key
-from dsv41.cache.persistent import PersistentStore
+from dsv41.cache.store import PersistentStore
 
 from .helpers import B, chain_payloads, identity, key, kill_during, load_all, token_rows, write_chain
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsv41.cache import io
-from dsv41.cache import store_format as sf
+from dsv41.cache.store import format as sf
 
 from .helpers import B, LAYOUT, key, load_all, open_store, rand_tokens, token_rows, write_chain
 

@@ -119,3 +119,56 @@ def test_reference_errors_and_payload_checks():
         pool.write(bids, torch.zeros(1, 7, dtype=torch.uint8))
     with pytest.raises(ValueError, match="holds no block"):
         GlobalKVPool(LAYOUT, 10, device="cpu")
+
+
+def test_private_pages_are_written_in_place_then_published_without_a_copy():
+    pool = make_pool(6)
+    rng = np.random.default_rng(5)
+    toks = rand_tokens(rng, 3 * B)
+    hashes = BlockHasher(B).hash_blocks(toks, key())
+    pays = torch.from_numpy(chain_payloads(toks, key()))
+    mine = pool.allocate(3)
+    assert len(set(mine)) == 3 and pool.stats()["private_blocks"] == 3
+    assert pool.match(key(), hashes, token_rows(toks, 3)) == []   # private pages are not found
+    pool.write(mine, pays)                                         # the sequence's own writes
+    parent = None
+    for i, bid in enumerate(mine):
+        got = pool.publish(bid, key(), parent, hashes[i], token_rows(toks, 3)[i], i)
+        assert got == bid                                          # adopted in place
+        parent = bid
+    assert pool.stats()["private_blocks"] == 0
+    assert pool.match(key(), hashes, token_rows(toks, 3)) == mine
+    assert torch.equal(pool.read(mine), pays)
+    # A second sequence computed the same prefix privately: publishing keeps the cached
+    # page and hands it a reference; its own page goes back to the free list on release.
+    twin = pool.allocate(1)
+    pool.write(twin, pays[:1])
+    got = pool.publish(twin[0], key(), None, hashes[0], token_rows(toks, 3)[0], 0)
+    assert got == mine[0] and pool.slot(mine[0]).refs == 2
+    free_before = len(pool._free)
+    pool.release(twin)
+    assert len(pool._free) == free_before + 1                      # freed, not cached
+    assert pool.metrics.evictions.value(tier="gpu", cause="capacity") == 0
+
+
+def test_allocate_evicts_lru_pages_all_or_nothing_and_publish_checks():
+    pool = make_pool(4)
+    rng = np.random.default_rng(6)
+    toks = rand_tokens(rng, 2 * B)
+    hashes, bids, _ = insert_seq(pool, toks)
+    pool.release(bids)                                             # cached, evictable
+    held = pool.allocate(2)                                        # the free pages
+    with pytest.raises(PoolFullError, match="3 pages asked"):
+        pool.allocate(3)
+    assert pool.num_cached() == 4                                  # nothing was taken
+    more = pool.allocate(2)                                        # evicts both cached pages
+    assert set(more) == set(bids) and pool.match(key(), hashes, token_rows(toks, 2)) == []
+    with pytest.raises(PoolFullError):
+        pool.allocate(1)
+    with pytest.raises(ValueError, match="not an indexed block"):   # a private parent
+        pool.publish(more[1], key(), held[0], hashes[1], token_rows(toks, 2)[1], 1)
+    assert pool.publish(more[0], key(), None, hashes[0], token_rows(toks, 2)[0], 0) == more[0]
+    with pytest.raises(ValueError, match="not a private page"):
+        pool.publish(more[0], key(), None, hashes[0], token_rows(toks, 2)[0], 0)
+    pool.release(held + more)
+    assert pool.num_cached() == 1 and pool.num_free() == 4          # only the published page stays

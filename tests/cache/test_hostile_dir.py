@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.cache import store_format as sf
+from dsv41.cache.store import format as sf
 from dsv41.cache.errors import StoreError
 from dsv41.cache.hashing import BlockHasher
-from dsv41.cache.persistent import PersistentStore
+from dsv41.cache.store import PersistentStore
 
 from .helpers import B, FP, LAYOUT, chain_payloads, identity, key, load_all, open_store, rand_tokens, token_rows, \
     write_chain

@@ -34,12 +34,15 @@ def test_refusals_without_cupy_or_gpu():
         interop.to_cupy(np.zeros(4))
     cache = _cache("cpu")
     m, _ = _filled(cache)
-    with pytest.raises(ValueError, match="not consecutive"):
-        interop.pool_blocks(cache.pool, [m.block_ids[0], m.block_ids[0] + 2])
+    arr = cache.pool.layout.arrays[0]
     with pytest.raises(IndexError):
-        interop.pool_block(cache.pool, cache.pool.num_blocks)
+        interop.pool_page(cache.pool, arr.layer, arr.kind, cache.pool.num_blocks)
+    with pytest.raises(KeyError, match="no 'nope' array"):
+        interop.pool_array(cache.pool, arr.layer, "nope")
     with pytest.raises(TypeError, match="GlobalKVPool"):
-        interop.pool_block(cache, 0)
+        interop.pool_page(cache, arr.layer, arr.kind, 0)
+    with pytest.raises(ValueError, match="CUDA memory"):    # a CPU pool has no CuPy view
+        interop.pool_page(cache.pool, arr.layer, arr.kind, 0)
     with pytest.raises(ValueError, match="disagree"):
         interop.snapshot_from_cupy({"a": None}, {"b": torch.uint8}, 0)
     cache.release(m)
@@ -70,29 +73,24 @@ def cp():
 
 
 @pytest.mark.gpu
-def test_pool_blocks_are_shared_not_copied(cp):
+def test_pool_pages_are_shared_not_copied(cp):
     cache = _cache("cuda")
     m, payloads = _filled(cache)
-    bid = m.block_ids[1]
-    view = interop.pool_block(cache.pool, bid)
-    assert view.data.ptr == cache.pool.storage[bid].data_ptr() and view.dtype == cp.uint8
-    assert np.array_equal(cp.asnumpy(view), payloads[1].numpy())
-    view[:8] = 7                                          # a CuPy write lands in the pool
-    assert (cache.read_blocks([bid], device="cpu")[0, :8] == 7).all()
-    # a CuPy user moving a block: into a free slot of the pool, then back to torch
-    free = next(b for b in range(cache.pool.num_blocks) if b not in m.block_ids)
-    dst = interop.pool_block(cache.pool, free)
-    dst[...] = interop.pool_block(cache.pool, m.block_ids[2])
-    cp.cuda.Device().synchronize()
-    assert torch.equal(cache.pool.storage[free].cpu(), payloads[2])
-    t = interop.from_cupy(dst)
-    assert t.data_ptr() == dst.data.ptr and t.device.type == "cuda"
-    run = sorted(m.block_ids)
-    if run == list(range(run[0], run[0] + len(run))):
-        rows = interop.pool_blocks(cache.pool, run)
-        assert rows.shape == (len(run), cache.layout.block_bytes)
-        assert rows.data.ptr == cache.pool.storage[run[0]].data_ptr()
-    assert interop.pool_blocks(cache.pool).data.ptr == cache.pool.storage.data_ptr()
+    pool, bid = cache.pool, m.block_ids[1]
+    arr = pool.layout.arrays[0]
+    key = (arr.layer, arr.kind)
+    page = interop.pool_page(pool, *key, bid)
+    e = pool.entries_per_block(arr.layer)
+    assert page.data.ptr == pool.array(*key)[bid * e].data_ptr() and page.dtype == cp.uint8
+    want = payloads[1, arr.offset: arr.offset + arr.nbytes].numpy().reshape(e, arr.width)
+    assert np.array_equal(cp.asnumpy(page), want)
+    page[0, :8] = 7                                      # a CuPy write lands in the pool
+    assert (cache.read_blocks([bid], device="cpu")[0, arr.offset: arr.offset + 8] == 7).all()
+    whole = interop.pool_array(pool, *key)
+    assert whole.data.ptr == pool.array(*key).data_ptr()
+    assert whole.shape == (pool.num_blocks * e, arr.width)
+    t = interop.from_cupy(page)
+    assert t.data_ptr() == page.data.ptr and t.device.type == "cuda"
     cache.release(m)
 
 
@@ -114,16 +112,18 @@ def test_snapshot_round_trip_shares_memory(cp):
 
 
 @pytest.mark.gpu
-def test_kvikio_cufile_reads_into_a_pool_block(cp, tmp_path):
+def test_kvikio_cufile_reads_into_a_pool_page(cp, tmp_path):
     kvikio = pytest.importorskip("kvikio")
     cache = _cache("cuda")
     m, payloads = _filled(cache)
-    src = interop.pool_block(cache.pool, m.block_ids[0])
-    path = str(tmp_path / "block.bin")
+    arr = cache.pool.layout.arrays[0]
+    src = interop.pool_page(cache.pool, arr.layer, arr.kind, m.block_ids[0])
+    path = str(tmp_path / "page.bin")
     with kvikio.CuFile(path, "w") as f:
         assert f.write(src) == src.nbytes
     free = next(b for b in range(cache.pool.num_blocks) if b not in m.block_ids)
     with kvikio.CuFile(path, "r") as f:
-        assert f.read(interop.pool_block(cache.pool, free)) == src.nbytes
-    assert torch.equal(cache.pool.storage[free].cpu(), payloads[0])
+        assert f.read(interop.pool_page(cache.pool, arr.layer, arr.kind, free)) == src.nbytes
+    got = cache.pool.read([free], device="cpu")[0, arr.offset: arr.offset + arr.nbytes]
+    assert torch.equal(got, payloads[0, arr.offset: arr.offset + arr.nbytes])
     cache.release(m)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dsv41.cache import io
-from dsv41.cache import store_format as sf
+from dsv41.cache.store import format as sf
 from dsv41.cache.errors import PayloadError, StoreError, StoreLockedError, StoreMismatchError, StoreReadOnlyError
 from dsv41.cache.hashing import BlockHasher
 from dsv41.cache.layout import BlockLayout
@@ -103,7 +103,7 @@ def test_single_writer_lock_names_the_owner(tmp_path):
     r = open_store(tmp_path, mode="r")  # readers need no lock
     r.close()
     # Another process is refused too, and takes over once the first writer is gone.
-    code = ("import sys; sys.path.insert(0, 'python'); from dsv41.cache.persistent import PersistentStore\n"
+    code = ("import sys; sys.path.insert(0, 'python'); from dsv41.cache.store import PersistentStore\n"
             "from dsv41.cache.errors import StoreLockedError\n"
             f"try:\n    PersistentStore({str(tmp_path)!r}, None)\nexcept StoreLockedError as e:\n"
             "    print('LOCKED', e, flush=True)\n"

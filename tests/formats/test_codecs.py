@@ -100,6 +100,46 @@ def test_nonfinite_blocks_are_poisoned_and_decode_to_nan():
         assert dequant(codes, scales).isnan().all(), name
 
 
+CANONICAL_NAN = 0x7FC00000  # the one NaN every dequantizer writes (formats.h)
+
+
+def nan_code_cases(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales that decode to NaN every way the format allows: both NaN scale
+    codes of NVFP4 (E4M3 0x7F, 0xFF: a negative NaN) and UE8M0 0xFF under every element
+    code, and FP8's NaN element codes 0x7F/0xFF under finite scales. Stored bytes may hold
+    any of these (a foreign writer, a bit flip), not only what dsv41's encoders emit."""
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    if name == "fp8_swa":  # 8 blocks of every E4M3 code, each under a finite or the NaN scale
+        codes = every_byte.repeat(4).view(4, 256)
+        scales = torch.tensor([127, 0, 254, 0xFF], dtype=torch.uint8)[:, None].repeat(1, 8)
+        return codes.view(torch.float8_e4m3fn), scales
+    block = CODECS[name][2]
+    codes = every_byte.repeat(2).view(-1, block // 2)  # every pair of E2M1 codes
+    nan_scales = [0x7F, 0xFF] if name == "nvfp4" else [0xFF]
+    scales = torch.tensor(nan_scales * (codes.shape[0] // len(nan_scales) + 1), dtype=torch.uint8)
+    scales = scales[: codes.shape[0], None]
+    return codes, scales.view(torch.float8_e4m3fn) if name == "nvfp4" else scales
+
+
+def assert_nans_canonical(y: torch.Tensor) -> None:
+    bits = y.cpu().view(torch.int32)[y.cpu().isnan()]
+    assert bits.numel() > 0
+    bad = bits[bits != CANONICAL_NAN]
+    assert bad.numel() == 0, f"{bad.numel()} NaNs with other bits, e.g. {bad[0].item() & 0xFFFFFFFF:#010x}"
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_every_nan_dequantizes_to_the_canonical_bits(name):
+    # Hardware picks a NaN result's bits (x86 keeps the operand's sign and payload; NVIDIA
+    # GPUs write 0x7FFFFFFF), so the formats fix them: every NaN out of a decoder is
+    # 0x7FC00000. The C++ CPU loop runs the very header code the CUDA kernel runs.
+    dequant = CODECS[name][1]
+    codes, scales = nan_code_cases(name)
+    got = dequant(codes, scales)
+    assert_nans_canonical(got)
+    assert_same_floats(got, dequant(codes, scales, reference=True))
+
+
 def test_e4m3_encoder_agrees_with_torch_float8_cast():
     # A third, independent witness for the E4M3 rounding: torch's own float8 conversion
     # (RNE; it maps overflow to NaN, so clamp to the saturation bound first).
@@ -220,6 +260,16 @@ def test_cuda_kernel_matches_cpu_bits(name, case, gen):
     want = quant(x)
     assert_same_bits(got, want)
     assert_same_floats(dequant(*got), dequant(*want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CODECS))
+def test_cuda_nans_are_the_cpu_bits(name):
+    dequant = CODECS[name][1]
+    codes, scales = nan_code_cases(name)
+    got = dequant(codes.cuda(), scales.cuda())
+    assert_nans_canonical(got)
+    assert_same_floats(got, dequant(codes, scales))
 
 
 @pytest.mark.gpu

@@ -208,6 +208,27 @@ def test_nonfinite_tiles_are_poisoned_and_rope_keeps_inf():
     assert not y[:, :448].view(2, 7, 64)[finite_tiles].isnan().any()
 
 
+def nan_entries() -> torch.Tensor:
+    """V4 entries holding every way to decode to NaN: E4M3 NaN codes (0x7F, 0xFF: -NaN)
+    under finite scales, the NaN scale 0xFF over every code, and bf16 RoPE NaNs of either
+    sign and other payloads (a foreign writer's bytes, not what the encoder stores)."""
+    e = torch.zeros(4, 584, dtype=torch.uint8)
+    e[:, :448] = torch.arange(448) % 256
+    e[:, 576:583] = 127
+    e[1, 576:583] = 0xFF
+    rope_nans = torch.tensor([0x7FC0, 0xFFC0, 0x7F81, 0xFFFF], dtype=torch.int32)
+    e[:, 448:456:2], e[:, 449:456:2] = rope_nans & 0xFF, rope_nans >> 8
+    return e
+
+
+def test_every_nan_dequantizes_to_the_canonical_bits():
+    y = dequant(nan_entries())
+    assert y[1, :448].isnan().all() and y[:, 448:452].isnan().all()
+    nan_bits = y.view(torch.int32)[y.isnan()]
+    assert (nan_bits == 0x7FC00000).all(), f"{(nan_bits != 0x7FC00000).sum()} NaNs with other bits"
+    assert same_floats(y, dequant(nan_entries(), reference=True))
+
+
 def test_round_trip_error_bound(gen):
     x = torch.randn(256, 512, generator=gen) * torch.logspace(-6, 30, 256)[:, None]
     e = quant(x)
@@ -369,6 +390,11 @@ def test_cuda_kernel_matches_cpu_bits(case, gen):
     got = quant(x.cuda())
     assert_same_bytes(got, quant(x))
     assert same_floats(dequant(got), dequant(quant(x)))
+
+
+@pytest.mark.gpu
+def test_cuda_nans_are_the_cpu_bits():
+    assert same_floats(dequant(nan_entries().cuda()), dequant(nan_entries()))
 
 
 @pytest.mark.gpu

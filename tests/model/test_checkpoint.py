@@ -151,3 +151,79 @@ def test_full_size_model_builds_on_the_meta_device():
                  "layers.3.attn.compressor.wkv.weight", "layers.25.attn.indexer.wq_b.weight"):
         assert name not in names, name
     assert model.layers[0].attn.wo_a.weight.shape == (8 * 1024, 64 * 512 // 8)
+
+
+@pytest.fixture(scope="module")
+def saved_v4(tmp_path_factory):
+    """v4-tiny: its layer 0 routes by token id (an int64 tid2eid table)."""
+    path = tmp_path_factory.mktemp("ckpt_v4")
+    Model.synthetic(ModelConfig.preset("v4-tiny"), seed=0).save_pretrained(path)
+    return path
+
+
+def _single(saved, tmp_path):
+    """The checkpoint as one model.safetensors (no index), weights digest dropped."""
+    tensors = {}
+    for f in sorted(saved.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_bytes((saved / "config.json").read_bytes())
+    return tmp_path, tensors
+
+
+def test_an_out_of_range_hash_table_fails_at_load(saved_v4, tmp_path):
+    """tid2eid naming expert 99 of 4 used to load, then fail in the first prefill with
+    `index 99 is out of bounds` inside moe.py."""
+    path, tensors = _single(saved_v4, tmp_path)
+    name = "layers.0.ffn.gate.tid2eid"
+    table = tensors[name].clone()
+    table[17, 1] = 99
+    save_file({**tensors, name: table}, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensor 'layers\.0\.ffn\.gate\.tid2eid': "
+                                              r"tid2eid names expert 99 \(token 17, slot 1\); "
+                                              r"the layer has experts 0\.\.3"):
+        Model.from_pretrained(path)
+    table[17, 1] = -1
+    save_file({**tensors, name: table}, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"names expert -1 \(token 17, slot 1\)"):
+        Model.from_pretrained(path)
+    save_file({**tensors, name: tensors[name].float()}, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tid2eid must hold integer expert ids, got "
+                                              r"dtype torch\.float32"):
+        Model.from_pretrained(path)
+    # int32 (as some ports store it) holds the same ids: accepted, widened to int64
+    save_file({**tensors, name: tensors[name].int()}, str(path / "model.safetensors"))
+    loaded = Model.from_pretrained(path)
+    assert torch.equal(loaded.state_dict()[name], tensors[name])
+
+
+def test_a_damaged_shard_is_named_with_what_is_wrong(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = path / sorted(set(index["weight_map"].values()))[1]
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-100])
+    with pytest.raises(CheckpointError, match=rf"shard .*{shard.name}: truncated: tensor "
+                                              r"'.*' ends at byte \d+ of the data section, "
+                                              r"the file holds \d+ \(100 bytes missing\)"):
+        Model.from_pretrained(path)
+    shard.write_bytes(good[:1000])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: truncated: the header alone "
+                                              r"should take \d+ bytes after its length, the "
+                                              r"file has 992"):
+        Model.from_pretrained(path)
+    shard.write_bytes(good + b"\0" * 7)
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: 7 bytes after the last tensor"):
+        Model.from_pretrained(path)
+    shard.write_bytes(good[:8] + b"x" + good[9:])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: the safetensors header is "
+                                              r"not JSON"):
+        Model.from_pretrained(path)
+    shard.write_bytes(b"\x05")
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: not a safetensors file: 1 "
+                                              r"bytes, shorter than the 8-byte header length"):
+        Model.from_pretrained(path)
+    shard.write_bytes(good)
+    (path / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not JSON"):
+        Model.from_pretrained(path)

@@ -16,6 +16,7 @@ from dsv41.config import ModelConfig
 from dsv41.model import Model
 from dsv41.model import weights_id as wid
 from dsv41.model.checkpoint import shard_files
+from dsv41.model.safetensors_file import read_header
 
 TINY = ModelConfig.preset("v41-tiny")
 
@@ -56,9 +57,8 @@ def test_load_trusts_an_unchanged_record_without_hashing(model, tmp_path, monkey
 def _flip_one_weight(directory) -> None:
     """Changes one float of a shard in place: same size and header, new content."""
     path = directory / shard_files(directory)[0]
-    _, header, data_at = wid._read_header(path)
-    name = next(k for k in header if k != "__metadata__")
-    begin = data_at + header[name]["data_offsets"][0]
+    header = read_header(path)
+    begin, _ = header.span(next(iter(header.tensors)))
     with open(path, "r+b") as f:
         f.seek(begin)
         b = f.read(4)

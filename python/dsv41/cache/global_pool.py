@@ -1,13 +1,29 @@
-"""GlobalKVPool: the GPU tier. Paged, reference-counted blocks of global KV + indexer keys.
+"""GlobalKVPool: the KV memory of global KV and indexer keys, paged, shared by reference.
 
-One preallocated uint8 tensor [num_blocks, block_bytes] on the GPU (host memory when there
-is none) holds every cached block; sequences with a common prefix share its blocks. A
-block is referenced while any sequence holds it and is never evicted then; unreferenced
-blocks stay cached in LRU order and are evicted when room is needed.
+The pool is the one place global KV lives on the device: the attention and indexer ops read
+its arrays directly, running sequences write their new entries into its pages in place, and
+the prefix cache indexes the full pages so that every request with that prefix maps the
+same memory. A page ("block") covers `layout.block_tokens` tokens; for each array of the
+block layout (layer, kind: main codes and scales, indexer codes and scales) the pool holds
+one contiguous tensor `arrays[(layer, kind)]` of `num_blocks * entries` rows, where page b
+owns rows [b * entries, (b + 1) * entries) - so a page id is a row base in every array.
 
-Identity, not hashes, links a block to its parent: each block records the uid of the block
-before it, so a match walks exact parent links, compares token ids at every step and the
-key at the chain's first block. A hash collision (tested with a 1-byte hash) is a miss.
+Pages are of two kinds:
+  - private: allocated to one running sequence (`allocate`), written in place by its steps,
+    unindexed; freed when released;
+  - cached: indexed by (key, parent identity, chain hash, token ids). `insert`/`insert_many`
+    write a payload into a new cached page; `publish` turns a full private page into a
+    cached one without a copy (the prefix cache adopting what a prefill wrote).
+A page is referenced while any sequence holds it and is never evicted then; unreferenced
+cached pages stay in LRU order and are evicted when room is needed.
+
+Identity, not hashes, links a page to its parent: each records the uid of the page before
+it, so a match walks exact parent links, compares token ids at every step and the key at
+the chain's first page. A hash collision (tested with a 1-byte hash) is a miss.
+
+Outside the pool a block travels as one flat payload (`layout`, the store's and the remote
+tier's format): `read` gathers a page's rows from every array into it, `write` scatters a
+payload into the arrays.
 """
 from __future__ import annotations
 
@@ -18,7 +34,6 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..ops import cache_ops
 from .errors import PayloadError, PoolFullError
 from .layout import BlockLayout
 from .metrics import CacheMetrics
@@ -27,12 +42,17 @@ __all__ = ["GlobalKVPool"]
 
 
 class _Slot:
+    """One page's bookkeeping. A private page has hash None and private True until
+    `publish` indexes it; a cached page whose chain was evicted above it is orphaned
+    (hash None, private False) and freed when its last reference goes."""
+
     __slots__ = ("uid", "hash", "parent", "parent_uid", "key", "tokens", "block_index", "refs",
-                 "record_id", "hits", "children")
+                 "record_id", "hits", "children", "private")
 
     def __init__(self, uid, hash_, parent, parent_uid, key, tokens, block_index):
         self.uid, self.hash, self.parent, self.parent_uid = uid, hash_, parent, parent_uid
         self.key, self.tokens, self.block_index = key, tokens, block_index
+        self.private = False
         self.refs = 0
         self.record_id: int | None = None  # this block's record in the persistent store
         self.hits = 0
@@ -52,7 +72,20 @@ class GlobalKVPool:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.storage = torch.zeros((self.num_blocks, self.block_bytes), dtype=torch.uint8, device=self.device)
+        # One allocation, carved array by array: array (layer, kind) is [num_blocks *
+        # entries, width] rows of its dtype, page b owning rows [b * entries, (b+1) * entries).
+        self._memory = torch.zeros(self.num_blocks * self.block_bytes, dtype=torch.uint8,
+                                   device=self.device)
+        self.arrays: dict[tuple[int, str], torch.Tensor] = {}
+        self._array_bytes: list[tuple[int, int, torch.Tensor]] = []  # (offset, nbytes, [blocks, nbytes] uint8)
+        at = 0
+        for a in layout.arrays:
+            n = self.num_blocks * a.nbytes
+            raw = self._memory[at: at + n]
+            self._array_bytes.append((a.offset, a.nbytes, raw.view(self.num_blocks, a.nbytes)))
+            rows = raw.view(self.num_blocks * a.entries, a.width)
+            self.arrays[(a.layer, a.kind)] = rows if a.dtype == torch.uint8 else rows.view(a.dtype)
+            at += n
         self.metrics = metrics or CacheMetrics()
         self.lock = threading.RLock()
         self._slots: list[_Slot | None] = [None] * self.num_blocks
@@ -126,7 +159,9 @@ class GlobalKVPool:
                     raise RuntimeError(f"block {bid} released more often than acquired")
                 s.refs -= 1
                 if s.refs == 0:
-                    if s.hash is None:  # orphaned while referenced: nothing can reach it
+                    if s.private:   # a sequence's own page, never indexed: just free it
+                        self._free_slot(bid, None)
+                    elif s.hash is None:  # orphaned while referenced: nothing can reach it
                         self._free_slot(bid, "orphan")
                     else:
                         self._lru[bid] = None
@@ -206,6 +241,64 @@ class GlobalKVPool:
                 self.write([b for b, _ in fresh], src)
         return out
 
+    def allocate(self, n: int) -> list[int]:
+        """n private pages for a running sequence to write in place, each with one
+        reference (evicting unreferenced cached pages, oldest first, when the free list runs
+        out). All or nothing: raises PoolFullError, taking none, when fewer than n pages
+        can be had."""
+        if n < 0:
+            raise ValueError(f"allocate: n must be >= 0, got {n}")
+        with self.lock:
+            if n > len(self._free) + len(self._lru):
+                raise PoolFullError(f"GlobalKVPool: {n} pages asked, {len(self._free)} free and "
+                                    f"{len(self._lru)} evictable of {self.num_blocks}")
+            out = []
+            for _ in range(n):
+                bid = self._allocate()
+                s = _Slot(self._next_uid, None, None, 0, None, None, None)
+                self._next_uid += 1
+                s.private, s.refs = True, 1
+                self._slots[bid] = s
+                out.append(bid)
+            self._update_gauges()
+            return out
+
+    def publish(self, bid: int, key: bytes, parent: int | None, block_hash: bytes,
+                tokens: np.ndarray, block_index: int) -> int:
+        """Indexes the full private page `bid` (its rows already written) as the block after
+        `parent` (a cached page, None for a chain's first block), keeping the caller's
+        reference: no payload moves. When an identical block is cached already, the pool
+        keeps that one: it returns its id with a reference taken, and the caller releases
+        `bid` and reads the returned page from now on. Otherwise returns `bid`."""
+        tokens = np.ascontiguousarray(tokens, dtype="<u4")
+        with self.lock:
+            s = self.slot(bid)
+            if not s.private:
+                raise ValueError(f"publish: page {bid} is not a private page")
+            if s.refs < 1:
+                raise RuntimeError(f"publish: page {bid} holds no reference")
+            parent_uid = 0
+            if parent is not None:
+                ps = self.slot(parent)
+                if ps.private or ps.hash is None:
+                    raise ValueError(f"publish: parent page {parent} is not an indexed block")
+                parent_uid = ps.uid
+            for other in self._index.get(block_hash, ()):
+                o = self._slots[other]
+                if o.parent_uid == parent_uid and (parent_uid or o.key == key) \
+                        and np.array_equal(o.tokens, tokens):
+                    self.acquire([other])
+                    return other
+            s.private = False
+            s.hash, s.parent, s.parent_uid, s.key = block_hash, parent, parent_uid, key
+            s.tokens, s.block_index = tokens.copy(), block_index
+            self._index.setdefault(block_hash, []).append(bid)
+            if parent is not None:
+                self._slots[parent].children.add(bid)
+            self.metrics.inserted_blocks.inc(tier="gpu")
+            self._update_gauges()
+            return bid
+
     def _allocate(self) -> int:
         if self._free:
             return self._free.pop()
@@ -249,7 +342,7 @@ class GlobalKVPool:
                 del self._index[s.hash]
         s.hash = None
 
-    def _free_slot(self, bid: int, cause: str) -> None:
+    def _free_slot(self, bid: int, cause: str | None) -> None:
         s = self._slots[bid]
         self._unindex(bid)
         if s.parent is not None:
@@ -259,7 +352,8 @@ class GlobalKVPool:
         self._lru.pop(bid, None)
         self._slots[bid] = None
         self._free.append(bid)
-        self.metrics.evictions.inc(tier="gpu", cause=cause)
+        if cause is not None:
+            self.metrics.evictions.inc(tier="gpu", cause=cause)
 
     def evict_all(self) -> int:
         """Frees every unreferenced block (e.g. to test the SSD tier); returns how many."""
@@ -274,43 +368,54 @@ class GlobalKVPool:
 
     # ---- payload I/O --------------------------------------------------------------------
 
+    def array(self, layer: int, kind: str) -> torch.Tensor:
+        """The rows of one (layer, kind) array of every page: [num_blocks * entries, width]."""
+        try:
+            return self.arrays[(layer, kind)]
+        except KeyError:
+            raise KeyError(f"layer {layer} has no {kind!r} array in this pool "
+                           f"(layers {self.layout.layers})") from None
+
+    def entries_per_block(self, layer: int) -> int:
+        """Rows each page holds in `layer`'s arrays (block_tokens / its compress ratio)."""
+        return self.layout.array(layer, "main_codes").entries
+
     def write(self, bids: Sequence[int], payloads: torch.Tensor) -> None:
-        """storage[bids[i]] = payloads[i]; payloads is uint8 [n, block_bytes] on any device.
-        On a CUDA pool the blocks move in one dsv41::copy_blocks kernel, straight from pinned
-        host memory or from the device (what a GPU run must exercise); a CPU pool indexes."""
+        """Scatters flat payloads (uint8 [n, block_bytes], the layout's bytes, on any device)
+        into pages bids[i] of every array. From host memory to a CUDA pool the payloads
+        cross once (pinned memory directly, pageable through torch's staging) and are
+        scattered on the device."""
         payloads = self.layout.check_blocks(payloads, "payloads")
         if payloads.shape[0] != len(bids):
             raise PayloadError(f"{payloads.shape[0]} payloads for {len(bids)} blocks")
-        if self.device.type == "cuda":
-            host = payloads.device.type == "cpu" and payloads.is_pinned()
-            src = payloads if host or payloads.device == self.device else payloads.to(self.device)
-            cache_ops.copy_blocks(src.contiguous(), torch.arange(len(bids)), self.storage,
-                                  torch.as_tensor(list(bids), dtype=torch.long))
-            if host:
-                torch.cuda.current_stream(self.device).synchronize()  # the host source may be reused
+        if not len(bids):
             return
-        idx = torch.as_tensor(list(bids), dtype=torch.long, device=self.device)
-        self.storage.index_copy_(0, idx, payloads.to(self.device))
+        src = payloads.to(self.device, non_blocking=payloads.is_pinned())
+        idx = torch.as_tensor(list(bids), dtype=torch.long).to(self.device)
+        for offset, nbytes, dst in self._array_bytes:
+            dst.index_copy_(0, idx, src[:, offset: offset + nbytes])
+        if src is not payloads and payloads.is_pinned():
+            # the caller may reuse its pinned buffer as soon as this returns
+            torch.cuda.current_stream(self.device).synchronize()
 
     def read(self, bids: Sequence[int], device: str | torch.device | None = None) -> torch.Tensor:
-        """A copy of the blocks' payloads, uint8 [n, block_bytes] (on `device`, default the
-        pool's). From a CUDA pool to the host, one copy_blocks kernel writes pinned memory."""
-        if self.device.type == "cuda" and len(bids):
-            to_host = device is not None and torch.device(device).type == "cpu"
-            shape = (len(bids), self.block_bytes)
-            out = (torch.empty(shape, dtype=torch.uint8, pin_memory=True) if to_host
-                   else torch.empty(shape, dtype=torch.uint8, device=self.device))
-            cache_ops.copy_blocks(self.storage, torch.as_tensor(list(bids), dtype=torch.long), out,
-                                  torch.arange(len(bids)))
-            if to_host:
-                torch.cuda.current_stream(self.device).synchronize()
-                return out
-            return out if device is None else out.to(device)
-        idx = torch.as_tensor(list(bids), dtype=torch.long, device=self.device)
-        # Advanced indexing, not index_select: on the CPU, index_select of uint8 rows is
-        # ~50x slower in torch 2.14 (1.6 s against 0.03 s for 64 v41-flash blocks).
-        out = self.storage[idx]
-        return out if device is None else out.to(device)
+        """A copy of the pages as flat payloads, uint8 [n, block_bytes] on `device` (default
+        the pool's): gathered from every array on the pool's device, then moved once (to
+        pinned host memory when the pool is on a GPU and `device` is the CPU)."""
+        out = torch.empty((len(bids), self.block_bytes), dtype=torch.uint8, device=self.device)
+        if len(bids):
+            idx = torch.as_tensor(list(bids), dtype=torch.long).to(self.device)
+            for offset, nbytes, src in self._array_bytes:
+                # advanced indexing, not index_select: on the CPU index_select of uint8 rows
+                # is ~50x slower in torch 2.14
+                out[:, offset: offset + nbytes] = src[idx]
+        if device is None or torch.device(device) == self.device:
+            return out
+        if self.device.type == "cuda" and torch.device(device).type == "cpu":
+            host = torch.empty(out.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(out)
+            return host
+        return out.to(device)
 
     def _update_gauges(self) -> None:
         cached = self.num_blocks - len(self._free)
@@ -320,7 +425,9 @@ class GlobalKVPool:
     def stats(self) -> dict:
         with self.lock:
             referenced = sum(1 for s in self._slots if s is not None and s.refs > 0)
+            private = sum(1 for s in self._slots if s is not None and s.private)
             return {"device": str(self.device), "num_blocks": self.num_blocks, "block_bytes": self.block_bytes,
                     "capacity_bytes": self.capacity_bytes, "cached_blocks": self.num_blocks - len(self._free),
-                    "referenced_blocks": referenced, "evictable_blocks": len(self._lru),
+                    "referenced_blocks": referenced, "private_blocks": private,
+                    "evictable_blocks": len(self._lru),
                     "free_blocks": len(self._free)}

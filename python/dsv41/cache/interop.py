@@ -1,8 +1,8 @@
 """KV blocks and SWA snapshots handed to CuPy (and back) without a copy.
 
     from dsv41.cache import interop
-    blocks = interop.pool_blocks(cache.pool, m.block_ids)   # cupy uint8 [n, block_bytes]
-    view = interop.pool_block(cache.pool, bid)               # cupy uint8 [block_bytes]
+    rows = interop.pool_array(cache.pool, layer, "main_codes")   # cupy [pages * entries, width]
+    page = interop.pool_page(cache.pool, layer, "main_codes", bid)  # one page's rows
     arrays, dtypes = interop.snapshot_to_cupy(snap)          # {name: cupy array}
     snap = interop.snapshot_from_cupy(arrays, dtypes, snap.num_tokens, snap.meta)
     a = interop.to_cupy(tensor); t = interop.from_cupy(a)    # any CUDA tensor / array
@@ -10,8 +10,10 @@
 Every conversion goes through DLPack (`cupy.from_dlpack`, `torch.from_dlpack`): the CuPy
 array and the torch tensor share one allocation, so a CuPy kernel or a kvikio CuFile read
 (kvikio takes any object with `__cuda_array_interface__`) writes straight into dsv41's
-GPU pool. A block view stays valid while its block is pinned (a PrefixMatch that holds it,
-not yet released); after release the pool may hand the slot to another prefix.
+GPU pool. The pool keeps one array per (layer, kind) (cache/global_pool.py), so a page is
+a run of rows in each array, not one flat buffer; `pool.read`/`pool.write` convert to and
+from the flat payload. A page view stays valid while its page is pinned (a PrefixMatch
+that holds it, not yet released); after release the pool may hand it to another prefix.
 
 FP8 tensors (the SWA values) travel as their uint8 bytes (CuPy has no FP8 dtype): the
 returned dtypes map lets snapshot_from_cupy view them back. Only CUDA memory can be a CuPy
@@ -28,7 +30,7 @@ import torch
 from .global_pool import GlobalKVPool
 from .swa_pool import TensorSnapshot
 
-__all__ = ["cupy_available", "to_cupy", "from_cupy", "pool_block", "pool_blocks",
+__all__ = ["cupy_available", "to_cupy", "from_cupy", "pool_array", "pool_page",
            "snapshot_to_cupy", "snapshot_from_cupy"]
 
 # dtypes CuPy cannot hold: passed as their raw bytes (same element size, so same shape)
@@ -77,30 +79,20 @@ def _check_pool(pool: GlobalKVPool) -> None:
         raise TypeError(f"expected a GlobalKVPool (cache.pool), got {type(pool).__name__}")
 
 
-def pool_block(pool: GlobalKVPool, block_id: int) -> Any:
-    """Block `block_id`'s payload in the pool, uint8 [block_bytes], as a CuPy view."""
+def pool_array(pool: GlobalKVPool, layer: int, kind: str) -> Any:
+    """Every page's rows of one (layer, kind) array, [num_blocks * entries, width], as a
+    CuPy view (FP8 scales as their bytes)."""
+    _check_pool(pool)
+    return to_cupy(pool.array(layer, kind))
+
+
+def pool_page(pool: GlobalKVPool, layer: int, kind: str, block_id: int) -> Any:
+    """Page `block_id`'s rows [entries, width] of one (layer, kind) array, as a CuPy view."""
     _check_pool(pool)
     if not 0 <= int(block_id) < pool.num_blocks:
         raise IndexError(f"block id {block_id} outside the pool's [0, {pool.num_blocks})")
-    return to_cupy(pool.storage[int(block_id)])
-
-
-def pool_blocks(pool: GlobalKVPool, block_ids=None) -> Any:
-    """The pool's payload rows as one CuPy array [n, block_bytes] without a copy: all of
-    them (block_ids None), or a run of consecutive ids (a strided view needs no copy
-    either; arbitrary ids would: use pool_block per id)."""
-    _check_pool(pool)
-    if block_ids is None:
-        return to_cupy(pool.storage)
-    ids = [int(b) for b in block_ids]
-    if not ids:
-        raise ValueError("pool_blocks: no block ids")
-    if ids != list(range(ids[0], ids[0] + len(ids))):
-        raise ValueError("pool_blocks: the ids are not consecutive, so no single view covers "
-                         "them; call pool_block(pool, id) for each")
-    if ids[0] < 0 or ids[-1] >= pool.num_blocks:
-        raise IndexError(f"block ids {ids[0]}..{ids[-1]} outside the pool's [0, {pool.num_blocks})")
-    return to_cupy(pool.storage[ids[0]: ids[-1] + 1])
+    e = pool.entries_per_block(layer)
+    return to_cupy(pool.array(layer, kind)[int(block_id) * e: (int(block_id) + 1) * e])
 
 
 def snapshot_to_cupy(snap: TensorSnapshot) -> tuple[dict[str, Any], dict[str, torch.dtype]]:

@@ -1,10 +1,14 @@
 """Model configuration: the architecture fields and their validation (`model`), the
 per-layer plan (`plan`), the JSON spellings it reads and writes (`json_io`) and the presets
 (`presets`). Everything public is re-exported here: `from dsv41.config import ModelConfig`.
+
+Imports run one way: `values` <- `plan`, `json_io`, `presets` <- `model`. Only `model`
+knows the ModelConfig class; the others work on its field values (json_io builds a config
+through the class it is given, plan reads the fields it needs).
 """
 from __future__ import annotations
 
-from .model import ModelConfig
+from .model import PRESETS, ModelConfig
 from .plan import (
                    MODE_FULL,
                    MODE_REINDEX,
@@ -15,12 +19,11 @@ from .plan import (
                    PART_LAYER,
                    LayerPlan,
 )
-from .presets import PRESETS, preset_names
+from .presets import preset_names
 from .values import (
                    DEFAULT_BETA_FAST,
                    DEFAULT_BETA_SLOW,
                    MAIN_KV_FORMATS,
-                   SUPPORTED_RATIOS,
                    ConfigError,
 )
 
@@ -36,7 +39,6 @@ __all__ = [
                    "PART_ENCODER",
                    "PART_LAYER",
                    "PRESETS",
-                   "SUPPORTED_RATIOS",
                    "ConfigError",
                    "LayerPlan",
                    "ModelConfig",

@@ -4,34 +4,43 @@ Read: (1) dsv41's own / the Hugging Face V4.1 spelling (text model nested under
 `text_config` or at top level); (2) transformers' `DeepseekV4Config.save_pretrained`
 (`layer_types` + `compress_rates`, `mlp_layer_types`, `partial_rotary_factor`, nested
 `rope_parameters` {"main", "compress"}); (3) DeepSeek's flat inference `config.json`
-(`dim`, `n_layers`, `window_size`, `rope_factor`, ..., as its `ModelArgs` reads it); and
-`to_dict()` output. Written: (1).
+(`dim`, `n_layers`, `window_size`, `rope_factor`, ..., as its `ModelArgs` reads it) and
+DeepSeek's released HF config.json (`model_type` "deepseek_v4", `compress_ratios`); and
+`to_dict()` output.
 
-A config whose compression ratios are V4's (4 and 128 only) gets V4's machinery
-(`fp8_v4` KV, HCA dense, overlapping CSA windows, `ape`, the indexer's own compressor,
-every compressing layer its own KV source) unless the file says otherwise.
+A DeepSeek-V4 file (transformers' or DeepSeek's spelling, or ratios that are V4's 4 and 128
+only) gets V4's machinery (`fp8_v4` KV, dense HCA, overlapping CSA windows, `ape`, the
+indexer's own compressor, every compressing layer its own KV source) unless the file says
+otherwise, and is read as transformers' DeepseekV4 and DeepSeek's reference read it; what
+they define and dsv41 does not model is refused with the reason (`_read_v4_semantics`).
+
+Written (`to_hf_dict`): every field at the top level under its HF key. A config that
+transformers' DeepseekV4 can build (`transformers_mismatch` is None) also gets
+`model_type` "deepseek_v4" and transformers' own keys, so `DeepseekV4Config.
+from_pretrained` reads the same model; any other config gets `model_type` "dsv41", which
+transformers does not know, instead of one it would read as something else.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .values import DEFAULT_BETA_FAST, DEFAULT_BETA_SLOW, ConfigError, as_int
 
-if TYPE_CHECKING:
-    from .model import ModelConfig
-
-__all__ = ["DEEPSEEK_MAX_SEQ_LEN", "from_dict", "to_hf_dict"]
+__all__ = ["DEEPSEEK_MAX_SEQ_LEN", "from_dict", "to_hf_dict", "transformers_mismatch"]
 
 # DeepSeek's inference ModelArgs default for max_seq_len (its flat config.json omits it).
 DEEPSEEK_MAX_SEQ_LEN = 4096
 
-# transformers' DeepseekV4Config layer types and their compression ratios.
-V4_LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4,
-                  "heavily_compressed_attention": 128}
+# transformers' DeepseekV4Config layer types; CSA and HCA compress by `compress_rates`
+# (default 4 and 128, DeepSeek-V4's: its reference gives ratio-4 layers the indexer and
+# overlapping windows and treats every other ratio as dense).
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+V4_LAYER_TYPES = ("sliding_attention", CSA, HCA)
 V4_RATIOS = (4, 128)
+V4_MODEL_TYPE = "deepseek_v4"
 
 _KEY_ALIASES: dict[str, tuple[str, ...]] = {
     "vocab_size": ("vocab_size", "vocab_size"),
@@ -82,30 +91,90 @@ for _name, _extra in (("num_hash_layers", ("n_hash_layers",)), ("hc_mult", ()),
     _KEYS[_name] = (_name,) + _extra
 
 
-def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+def transformers_mismatch(cfg) -> str | None:
+    """Why transformers' DeepseekV4ForCausalLM cannot build this config's model (None when
+    it can): transformers' V4 always has V4's machinery, one shared expert, at least one mHC
+    stream with weights, and derives the RoPE dims as int(head_dim * partial_rotary_factor)."""
+    nonzero = sorted({r for r in cfg.compress_ratios if r})
+    if cfg.main_kv_format != "fp8_v4" or cfg.encoder_decoder:
+        return "a V4.1 model (NVFP4 KV, the causal encoder-decoder)"
+    if not (cfg.compressor_ape and cfg.indexer_compressor):
+        return "compressors without V4's position bias or indexer compressor"
+    if len(cfg.overlap_compress_ratios) > 1 or len(cfg.dense_compress_ratios) > 1 or \
+            set(cfg.overlap_compress_ratios) & set(cfg.dense_compress_ratios) or \
+            set(nonzero) - set(cfg.overlap_compress_ratios) - set(cfg.dense_compress_ratios):
+        return "layers that are neither one CSA (overlapping, indexed) nor one HCA (dense) rate"
+    if list(cfg.kv_source_layer_ids) != [i for i, r in enumerate(cfg.compress_ratios) if r] \
+            or list(cfg.index_source_layer_ids) != [
+                i for i, r in enumerate(cfg.compress_ratios)
+                if r and r not in cfg.dense_compress_ratios] \
+            or cfg.candidate_source_layer_id is not None:
+        return "compressing layers that share KV or top-k with others"
+    if cfg.hc_mult < 2:
+        return "the plain residual (hc_mult=1; transformers runs one mHC stream with weights)"
+    if cfg.n_shared_experts != 1:
+        return (f"n_shared_experts={cfg.n_shared_experts} (transformers builds one shared "
+                f"expert of moe_intermediate_size)")
+    if cfg.scoring_func not in ("sqrtsoftplus", "sigmoid"):
+        return f"scoring_func {cfg.scoring_func!r} (transformers has no such router score)"
+    if cfg.swiglu_limit <= 0:
+        return "swiglu_limit <= 0 (transformers clamps the experts' activations to it)"
+    if int(cfg.head_dim * (cfg.rope_head_dim / cfg.head_dim)) != cfg.rope_head_dim:
+        return (f"rope_head_dim={cfg.rope_head_dim} of head_dim={cfg.head_dim}: transformers "
+                f"derives int(head_dim * partial_rotary_factor) = "
+                f"{int(cfg.head_dim * (cfg.rope_head_dim / cfg.head_dim))}")
+    return None
+
+
+def to_hf_dict(cfg) -> dict[str, Any]:
+    """The config as config.json holds it; cfg is a ModelConfig (its fields are read, its
+    class is not imported here)."""
     flat = cfg.to_dict()
-    text: dict[str, Any] = {}
+    out: dict[str, Any] = {"name": cfg.name}
     for f in fields(cfg):
-        if f.name in ("name", "rope_scaling"):
-            continue
-        text[_KEYS[f.name][0]] = flat[f.name]
-    if cfg.rope_scaling is not None:
-        text["rope_scaling"] = {"type": "yarn", **cfg.rope_scaling}
-    else:
-        text["rope_scaling"] = None
-    return {"name": cfg.name, "text_config": text}
+        if f.name not in ("name", "rope_scaling"):
+            out[_KEYS[f.name][0]] = flat[f.name]
+    yarn = None if cfg.rope_scaling is None else {"rope_type": "yarn", **cfg.rope_scaling}
+    if transformers_mismatch(cfg) is not None:
+        out["model_type"] = "dsv41"
+        out["rope_scaling"] = yarn
+        return out
+    # transformers' own spelling of the same model (configuration_deepseek_v4.py)
+    rates = {CSA: (cfg.overlap_compress_ratios or V4_RATIOS[:1])[0],
+             HCA: (cfg.dense_compress_ratios or V4_RATIOS[1:])[0]}
+    kind = {0: V4_LAYER_TYPES[0], rates[CSA]: CSA, rates[HCA]: HCA}
+    factor = cfg.rope_head_dim / cfg.head_dim
+    compress = {"rope_type": "default"} if yarn is None else dict(yarn, attention_factor=1.0)
+    out.update({
+        "model_type": V4_MODEL_TYPE, "architectures": ["DeepseekV4ForCausalLM"],
+        "layer_types": [kind[r] for r in cfg.compress_ratios],
+        "compress_rates": rates,
+        "mlp_layer_types": ["hash_moe" if cfg.hash_layer(i) else "moe"
+                            for i in range(cfg.num_layers)],
+        "partial_rotary_factor": factor,
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                     "partial_rotary_factor": factor},
+            "compress": {**compress, "rope_theta": cfg.compress_rope_theta,
+                         "partial_rotary_factor": factor}},
+        "tie_word_embeddings": False,
+    })
+    return out
 
 
-def from_dict(cls, d: Mapping[str, Any], name: str | None = None) -> ModelConfig:
-    """Unknown keys are ignored; `compress_ratios` entries past num_layers (draft layers)
-    are dropped."""
+def from_dict(cls, d: Mapping[str, Any], name: str | None = None):
+    """A `cls` (ModelConfig) from any supported spelling. Unknown keys are ignored;
+    `compress_ratios` entries past num_layers (draft layers) are dropped."""
     src = dict(d)
     if isinstance(src.get("text_config"), Mapping):
         src.update(src.pop("text_config"))
-    _read_transformers_v4(src)
+    v4_family = "layer_types" in src or src.get("model_type") == V4_MODEL_TYPE
+    rates = _read_transformers_v4(src)
+    if v4_family:
+        _read_v4_semantics(src)
     if "max_position_embeddings" not in src and "max_seq_len" not in src and "dim" in src:
         src["max_seq_len"] = DEEPSEEK_MAX_SEQ_LEN  # DeepSeek's flat spelling
-    _fill_v4_machinery(src)
+    _fill_v4_machinery(src, rates, v4_family)
     kwargs: dict[str, Any] = {}
     defaults = {f.name for f in fields(cls) if f.default is not dataclasses.MISSING}
     for f in fields(cls):
@@ -131,55 +200,120 @@ def from_dict(cls, d: Mapping[str, Any], name: str | None = None) -> ModelConfig
     return cls(**kwargs)
 
 
-def _read_transformers_v4(src: dict[str, Any]) -> None:
-    """Rewrite transformers' DeepseekV4Config keys into the keys `_KEYS` reads."""
-    if "layer_types" in src and "compress_ratios" not in src:
-        rates = dict(src.get("compress_rates") or {})
-        ratio_of = {**V4_LAYER_TYPES, **{k: int(v) for k, v in rates.items()}}
-        bad = [t for t in src["layer_types"] if t not in ratio_of]
+def _read_transformers_v4(src: dict[str, Any]) -> tuple[int, int] | None:
+    """Rewrite transformers' DeepseekV4Config keys into the keys `_KEYS` reads; returns
+    its (CSA, HCA) compression rates when the file spells its layers as `layer_types`."""
+    rates = None
+    if "layer_types" in src:
+        given = dict(src.get("compress_rates") or {})
+        for key, kind in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
+            if src.get(key) is not None:          # transformers' legacy spelling
+                given[kind] = src[key]
+        rates = (as_int(f"compress_rates.{CSA}", given.get(CSA, V4_RATIOS[0])),
+                 as_int(f"compress_rates.{HCA}", given.get(HCA, V4_RATIOS[1])))
+        if rates[0] == rates[1]:
+            raise ConfigError(f"compress_rates: CSA and HCA layers both compress by "
+                              f"{rates[0]}; dsv41 tells a layer's kind (indexed with "
+                              f"overlapping windows, or dense) by its ratio, so the rates "
+                              f"must differ")
+        bad = [t for t in src["layer_types"] if t not in V4_LAYER_TYPES]
         if bad:
             raise ConfigError(f"layer_types: unknown layer type(s) {sorted(set(bad))} "
-                              f"(known: {sorted(ratio_of)})")
-        src["compress_ratios"] = [ratio_of[t] for t in src["layer_types"]]
+                              f"(known: {list(V4_LAYER_TYPES)})")
+        if "compress_ratios" not in src:
+            ratio_of = dict(zip(V4_LAYER_TYPES, (0,) + rates))
+            src["compress_ratios"] = [ratio_of[t] for t in src["layer_types"]]
     if "mlp_layer_types" in src and "num_hash_layers" not in src:
         kinds = list(src["mlp_layer_types"])
+        bad = sorted({k for k in kinds if k not in ("hash_moe", "moe")})
+        if bad:
+            raise ConfigError(f"mlp_layer_types: unknown layer type(s) {bad} (known: "
+                              f"['hash_moe', 'moe'])")
         n_hash = next((i for i, k in enumerate(kinds) if k != "hash_moe"), len(kinds))
-        if any(k == "hash_moe" for k in kinds[n_hash:]) or any(
-                k not in ("hash_moe", "moe") for k in kinds):
-            raise ConfigError(f"mlp_layer_types: dsv41 supports hash_moe layers only as a "
-                              f"prefix followed by moe layers, got {kinds}")
+        late = [i for i, k in enumerate(kinds) if k == "hash_moe" and i > n_hash]
+        if late:
+            raise ConfigError(f"mlp_layer_types: layer {late[0]} routes by token id "
+                              f"(hash_moe) after layer {n_hash}, which routes by score; "
+                              f"dsv41, like DeepSeek's reference (Gate.hash = layer_id < "
+                              f"n_hash_layers), routes by token id exactly the first "
+                              f"num_hash_layers layers")
         src["num_hash_layers"] = n_hash
-    if "qk_rope_head_dim" not in src and "rope_head_dim" not in src \
-            and "partial_rotary_factor" in src and "head_dim" in src:
-        src["qk_rope_head_dim"] = round(float(src["partial_rotary_factor"]) * src["head_dim"])
+    if "partial_rotary_factor" in src and "head_dim" in src and (
+            "layer_types" in src or ("qk_rope_head_dim" not in src
+                                     and "rope_head_dim" not in src)):
+        # transformers' own rule (DeepseekV4Config.__post_init__, the rotary's dim):
+        # truncation, not rounding; its rotary reads partial_rotary_factor, whatever
+        # qk_rope_head_dim the file also holds
+        factor = float(src["partial_rotary_factor"])
+        dims = int(src["head_dim"] * factor)
+        if dims % 2:
+            raise ConfigError(f"partial_rotary_factor={factor!r}: transformers derives "
+                              f"int(head_dim * partial_rotary_factor) = {dims} RoPE dims, an "
+                              f"odd count (it then rotates {dims + 1} dims at the frequencies "
+                              f"of {dims}); dsv41 rotates pairs of dims at their own "
+                              f"frequencies and cannot run that")
+        src["qk_rope_head_dim"] = dims
     rp = src.get("rope_parameters")
     if isinstance(rp, Mapping) and isinstance(rp.get("main"), Mapping):
         main, compress = rp["main"], rp.get("compress") or {}
+        if main.get("rope_type", main.get("type", "default")) != "default":
+            raise ConfigError(f"rope_parameters.main: rope_type "
+                              f"{main.get('rope_type', main.get('type'))!r}; dsv41, like "
+                              f"DeepSeek's reference, scales RoPE (YaRN) only in the "
+                              f"compressing layers, never in the SWA-only ones")
         src.setdefault("rope_theta", main.get("rope_theta"))
         if "rope_theta" in compress:
             src["compress_rope_theta"] = compress["rope_theta"]
         kind = compress.get("rope_type", compress.get("type", "default"))
         src["rope_parameters"] = dict(compress) if kind != "default" else {"rope_type": "default"}
+    return rates
 
 
-def _fill_v4_machinery(src: dict[str, Any]) -> None:
-    """V4 configs (every nonzero ratio 4 or 128) name no KV/index sources and none of
-    dsv41's V4 switches: fill them in as V4 defines them, keeping what the file says."""
+def _read_v4_semantics(src: dict[str, Any]) -> None:
+    """A DeepSeek-V4 file means what transformers' DeepseekV4 and DeepSeek's reference
+    build from it; where that is not what dsv41's own reading of a key would be, say so."""
+    if src.get("hc_mult") == 1:
+        raise ConfigError("hc_mult=1: transformers' DeepseekV4 and DeepSeek's reference "
+                          "still run one mHC stream with weights (hc_attn_*, hc_ffn_*, "
+                          "hc_head_*: pre = sigmoid + hc_eps, post = 2 sigmoid, a 1x1 "
+                          "Sinkhorn comb), which is not the plain residual dsv41 runs at "
+                          "hc_mult=1; dsv41 models mHC with hc_mult >= 2")
+    if "layer_types" in src and "swiglu_limit" in src and src["swiglu_limit"] <= 0:
+        raise ConfigError(f"swiglu_limit={src['swiglu_limit']}: transformers' DeepseekV4 "
+                          f"clamps the experts' activations to it (all-zero experts), "
+                          f"DeepSeek's reference and dsv41 read it as no clamp")
+    # transformers builds one shared expert of moe_intermediate_size whatever
+    # n_shared_experts says, and DeepSeek's V4 reference asserts n_shared_experts == 1;
+    # dsv41's n_shared_experts fuses that many (DeepSeek-V3's rule), so the model is 1.
+    if src.get("n_shared_experts") is not None:
+        src["n_shared_experts"] = 1
+
+
+def _fill_v4_machinery(src: dict[str, Any], rates: tuple[int, int] | None,
+                       v4_family: bool) -> None:
+    """V4 configs name no KV/index sources and none of dsv41's V4 switches: fill them in as
+    V4 defines them, keeping what the file says. A config is V4's when it is in
+    transformers' or DeepSeek's V4 spelling, or when its ratios are V4's (4 and 128)."""
     ratios = src.get("compress_ratios")
     n = src.get("num_hidden_layers", src.get("n_layers", src.get("num_layers")))
     if not isinstance(ratios, (list, tuple)) or not isinstance(n, int):
         return
     ratios = list(ratios[:n])
     nonzero = {r for r in ratios if r}
-    if not nonzero or not nonzero <= set(V4_RATIOS):
+    if rates is not None:                 # transformers: the rates say which layer is which
+        csa, dense = rates[0], [rates[1]]
+    elif v4_family or (nonzero and nonzero <= set(V4_RATIOS)):
+        # DeepSeek's reference: ratio 4 is CSA (indexer, overlap), every other ratio dense
+        csa = V4_RATIOS[0]
+        dense = sorted(nonzero - {csa}) or [V4_RATIOS[1]]
+    else:
         return
-    csa, hca = V4_RATIOS
     defaults = {
         "kv_source_layer_ids": [i for i, r in enumerate(ratios) if r],
         "index_source_layer_ids": [i for i, r in enumerate(ratios) if r == csa],
         "candidate_source_layer_id": None, "candidate_topk_blocks": 0,
         "candidate_block_size": 0, "encoder_decoder": False, "main_kv_format": "fp8_v4",
-        "dense_compress_ratios": [hca], "overlap_compress_ratios": [csa],
+        "dense_compress_ratios": dense, "overlap_compress_ratios": [csa],
         "compressor_ape": True, "indexer_compressor": True,
         "persistent_swa": True, "persistent_swa_interval_tokens": 1024,
         # transformers' and DeepSeek's V4 defaults when the file omits them

@@ -15,18 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from ..formats import layout
+from . import json_io
 from .plan import LayerPlan, build_plan, check_candidates, check_split
+from .presets import PRESET_FIELDS, preset_names
 from .values import (
     MAIN_KV_FORMATS,
     SCORING_FUNCS,
-    SUPPORTED_RATIOS,
     ConfigError,
     as_float,
     as_int,
     normalise_rope_scaling,
+    ratio_supported,
+    supported_ratios_text,
 )
 
-__all__ = ["ModelConfig"]
+__all__ = ["PRESETS", "ModelConfig"]
 
 
 @dataclass(frozen=True)
@@ -173,12 +176,18 @@ class ModelConfig:
             raise ConfigError("num_encoder_layers must be 0 when encoder_decoder is False")
 
     def _check_format_dims(self) -> None:
-        if self.main_kv_format not in SUPPORTED_RATIOS:
+        if self.main_kv_format not in MAIN_KV_FORMATS:
             raise ConfigError(f"main_kv_format {self.main_kv_format!r} unknown "
                               f"(known: {MAIN_KV_FORMATS})")
         if self.rope_head_dim % 2 or self.rope_head_dim >= self.head_dim:
             raise ConfigError(f"rope_head_dim={self.rope_head_dim} must be even and smaller "
                               f"than head_dim={self.head_dim}")
+
+    def check_stored_formats(self) -> None:
+        """ConfigError unless the dims are whole blocks of the stored KV formats (main KV,
+        SWA KV, MXFP4 indexer keys). Not part of construction: a model whose KV stays
+        float32 (kv_dtype="float32", the reference mode) stores nothing and needs no
+        blocks; the stored model, the KV budget and the cache check it."""
         # The byte-size functions reject dims that are not whole format blocks; reuse them so
         # the rule lives in one place.
         checks = [("index_head_dim", lambda: layout.mxfp4_bytes(self.index_head_dim))]
@@ -188,27 +197,31 @@ class ModelConfig:
         else:
             checks += [("head_dim", lambda: layout.fp8_v4_main_bytes(self.nope_head_dim,
                                                                      self.rope_head_dim))]
+        problems = []
         for name, check in checks:
             try:
                 check()
             except ValueError as exc:
-                raise ConfigError(f"{name}={getattr(self, name)} does not fit the "
-                                  f"{self.main_kv_format} cache formats: {exc}") from None
+                problems.append(f"{name}={getattr(self, name)} ({exc})")
+        if problems:
+            raise ConfigError(f"config {self.name!r} does not fit the {self.main_kv_format} "
+                              f"stored KV formats: {', '.join(problems)}; kv_dtype='float32' "
+                              f"(the unquantized reference mode) runs it")
 
     def _check_layer_lists(self) -> None:
         n = self.num_layers
         if len(self.compress_ratios) != n:
             raise ConfigError(f"compress_ratios has {len(self.compress_ratios)} entries, "
                               f"expected num_layers={n}")
-        allowed = SUPPORTED_RATIOS[self.main_kv_format]
+        fmt = self.main_kv_format
         for layer, ratio in enumerate(self.compress_ratios):
-            if ratio not in allowed:
+            if not ratio_supported(fmt, ratio):
                 raise ConfigError(f"layer {layer}: compress ratio {ratio} not supported by "
-                                  f"{self.main_kv_format} (supported: {allowed})")
+                                  f"{fmt} (supported: {supported_ratios_text(fmt)})")
         for ratio in self.dense_compress_ratios:
-            if ratio == 0 or ratio not in allowed:
+            if ratio == 0 or not ratio_supported(fmt, ratio):
                 raise ConfigError(f"dense_compress_ratios: {ratio} is not a supported "
-                                  f"nonzero ratio for {self.main_kv_format}")
+                                  f"nonzero ratio for {fmt}")
         for name in ("kv_source_layer_ids", "index_source_layer_ids"):
             ids = getattr(self, name)
             if list(ids) != sorted(set(ids)):
@@ -237,7 +250,7 @@ class ModelConfig:
             raise ConfigError(f"num_hash_layers={self.num_hash_layers} must lie in "
                               f"[0, num_layers={self.num_layers}]")
         for ratio in self.overlap_compress_ratios:
-            if ratio < 2 or ratio not in SUPPORTED_RATIOS[self.main_kv_format]:
+            if ratio < 2 or not ratio_supported(self.main_kv_format, ratio):
                 raise ConfigError(f"overlap_compress_ratios: {ratio} is not a supported "
                                   f"ratio > 1 for {self.main_kv_format}")
             if ratio in self.dense_compress_ratios:
@@ -286,12 +299,13 @@ class ModelConfig:
         """True when the layer's MoE routes by token id (V4's hash layers)."""
         return layer < self.num_hash_layers
 
-    # ---- JSON (spellings in json_io.py) -----------------------------------------------
+    # ---- JSON (the spellings and their mapping live in json_io.py) ---------------------
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The Hugging Face spelling: text model under `text_config`, dsv41 extras beside."""
-        from .json_io import to_hf_dict
-        return to_hf_dict(self)
+        """config.json's dict: every field at the top level under its Hugging Face key, and
+        transformers' own keys where transformers' DeepseekV4 builds this model
+        (json_io.py)."""
+        return json_io.to_hf_dict(self)
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
@@ -305,15 +319,18 @@ class ModelConfig:
         """Read any supported spelling (docs/config.md): dsv41/HF V4.1 (nested
         `text_config` or top level), transformers' DeepseekV4Config, DeepSeek's flat
         inference config, or `to_dict()` output."""
-        from .json_io import from_dict
-        return from_dict(cls, d, name=name)
+        return json_io.from_dict(cls, d, name=name)
 
     # ---- presets ----------------------------------------------------------------------
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
-        from .presets import PRESETS, preset_names
         try:
             return PRESETS[name]
         except KeyError:
             raise ConfigError(f"unknown preset {name!r} (known: {preset_names()})") from None
+
+
+# The presets, built and validated once (their field values live in presets.py).
+PRESETS: dict[str, ModelConfig] = {name: ModelConfig(**fields)
+                                   for name, fields in PRESET_FIELDS.items()}

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .values import ConfigError
-
-if TYPE_CHECKING:
-    from .model import ModelConfig
 
 __all__ = [
     "MODE_FULL",
@@ -58,18 +55,36 @@ class LayerPlan:
     overlap: bool = False
 
 
+class PlanFields(Protocol):
+    """The ModelConfig fields a layer plan is built from (model.py imports this module, not
+    the other way round)."""
+
+    num_layers: int
+    compress_ratios: tuple[int, ...]
+    kv_source_layer_ids: tuple[int, ...]
+    index_source_layer_ids: tuple[int, ...]
+    dense_compress_ratios: tuple[int, ...]
+    overlap_compress_ratios: tuple[int, ...]
+    encoder_decoder: bool
+    num_encoder_layers: int
+    index_topk: int
+    candidate_source_layer_id: int | None
+    candidate_topk_blocks: int
+    candidate_block_size: int
+
+
 def _latest_same_ratio(ratios: tuple[int, ...], sources: set[int], layer: int) -> int | None:
     return next((s for s in range(layer, -1, -1)
                  if s in sources and ratios[s] == ratios[layer]), None)
 
 
-def _part(cfg: ModelConfig, layer: int) -> str:
+def _part(cfg: PlanFields, layer: int) -> str:
     if not cfg.encoder_decoder:
         return PART_LAYER
     return PART_ENCODER if layer < cfg.num_encoder_layers else PART_DECODER
 
 
-def build_plan(cfg: ModelConfig) -> list[LayerPlan]:
+def build_plan(cfg: PlanFields) -> list[LayerPlan]:
     kv_ids, index_ids = set(cfg.kv_source_layer_ids), set(cfg.index_source_layer_ids)
     plan = []
     for layer, ratio in enumerate(cfg.compress_ratios):
@@ -109,7 +124,7 @@ def build_plan(cfg: ModelConfig) -> list[LayerPlan]:
     return plan
 
 
-def check_candidates(cfg: ModelConfig, plan: list[LayerPlan]) -> None:
+def check_candidates(cfg: PlanFields, plan: list[LayerPlan]) -> None:
     src = cfg.candidate_source_layer_id
     if src is None:
         return
@@ -130,7 +145,7 @@ def check_candidates(cfg: ModelConfig, plan: list[LayerPlan]) -> None:
                               f"candidate source layer {src} and share its ratio {ratio}")
 
 
-def check_split(cfg: ModelConfig, plan: list[LayerPlan]) -> None:
+def check_split(cfg: PlanFields, plan: list[LayerPlan]) -> None:
     split = cfg.num_encoder_layers
     if not 0 < split < cfg.num_layers:
         raise ConfigError(f"num_encoder_layers={split} must leave a non-empty encoder and "

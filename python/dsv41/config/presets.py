@@ -1,14 +1,15 @@
 """The presets: V4.1-Flash and its scaled-down test/benchmark variants, V4-Flash and
-v4-tiny. docs/config.md says where each value comes from."""
+v4-tiny, as the field values of each (`PRESET_FIELDS`); `ModelConfig.preset(name)` builds and
+validates them. docs/config.md says where each value comes from."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from .model import ModelConfig
 from .values import DEFAULT_BETA_FAST, DEFAULT_BETA_SLOW
 
-__all__ = ["PRESETS", "V4_MACHINERY", "preset_names"]
+__all__ = ["PRESET_FIELDS", "V4_MACHINERY", "preset_names"]
+
+Fields = dict[str, Any]
 
 # What DeepSeek-V4 has beyond V4.1's attention (transformers' DeepseekV4Config defaults):
 # mHC with 4 streams, 3 hash-routed MoE layers, `ape` in every compressor, overlapping CSA
@@ -18,8 +19,8 @@ V4_MACHINERY: dict[str, Any] = {
     "overlap_compress_ratios": (4,), "indexer_compressor": True}
 
 
-def _v41_flash() -> ModelConfig:
-    return ModelConfig(
+def _v41_flash() -> Fields:
+    return dict(
         name="v41-flash",
         vocab_size=129280,
         hidden_size=5120,
@@ -63,7 +64,7 @@ def _v41_flash() -> ModelConfig:
     )
 
 
-def _v4_flash() -> ModelConfig:
+def _v4_flash() -> Fields:
     """DeepSeek-V4-Flash (SPEC 2b; transformers' DeepseekV4Config defaults for the dims).
 
     Layers 0-1 are SWA-only, then CSA (ratio 4) and HCA (ratio 128) alternate starting
@@ -74,7 +75,7 @@ def _v4_flash() -> ModelConfig:
     """
     ratios = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(41))
     sources = tuple(i for i, r in enumerate(ratios) if r)
-    return ModelConfig(
+    return dict(
         name="v4-flash",
         vocab_size=129280,
         hidden_size=4096,
@@ -118,16 +119,16 @@ def _v4_flash() -> ModelConfig:
     )
 
 
-def _v41_scaled(name: str, **dims: Any) -> ModelConfig:
+def _v41_scaled(name: str, **dims: Any) -> Fields:
     """A scaled-down V4.1-Flash: Flash's constants (routing, clamps, eps, RoPE thetas,
     candidate block size) with smaller dims and layer plan, and no draft layers. The small
     presets keep the plain residual (hc_mult 1) so that their measured results stay
     comparable across releases; mHC on V4.1 is tested with hc_mult replaced."""
-    return dataclasses.replace(_v41_flash(), name=name, num_nextn_predict_layers=0,
+    return _v41_flash() | dict(name=name, num_nextn_predict_layers=0,
                                num_encoder_layers=None, hc_mult=1, **dims)
 
 
-def _v41_tiny() -> ModelConfig:
+def _v41_tiny() -> Fields:
     """Unit tests: a full forward on CPU in milliseconds, same layer-plan shape as Flash.
     encoder [0 swa, 1 swa, 2 full r2, 3 reuse r2], decoder [4 full, 5 reuse, 6 reindex,
     7 reuse] at ratio 1."""
@@ -143,7 +144,7 @@ def _v41_tiny() -> ModelConfig:
     )
 
 
-def _v41_small() -> ModelConfig:
+def _v41_small() -> Fields:
     """Benchmarks: runs on CPU at 16K tokens. encoder [0, 1 swa; 2 full + 3, 4 reuse;
     5 full + 6, 7 reuse] at ratio 2; decoder [8 full + 9-11 reuse; 12 reindex + 13-15
     reuse] at ratio 1."""
@@ -160,12 +161,12 @@ def _v41_small() -> ModelConfig:
     )
 
 
-def _v4_tiny() -> ModelConfig:
+def _v4_tiny() -> Fields:
     """Unit tests and the demo: DeepSeek-V4's machinery at CPU size. Layers [0 swa,
     1 swa, 2 CSA 4, 3 HCA 128, 4 CSA 4, 5 HCA 128]; mHC with 4 streams; one hash layer."""
     ratios = (0, 0, 4, 128, 4, 128)
-    return dataclasses.replace(
-        _v4_flash(), name="v4-tiny", vocab_size=256, hidden_size=64, num_layers=6,
+    return _v4_flash() | dict(
+        name="v4-tiny", vocab_size=256, hidden_size=64, num_layers=6,
         num_heads=4, head_dim=128, rope_head_dim=64, q_lora_rank=32, o_groups=2,
         o_lora_rank=32, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
         sliding_window=16, compress_ratios=ratios,
@@ -178,11 +179,10 @@ def _v4_tiny() -> ModelConfig:
     )
 
 
-PRESETS: dict[str, ModelConfig] = {
-    cfg.name: cfg for cfg in (_v41_flash(), _v41_small(), _v41_tiny(), _v4_flash(),
-                              _v4_tiny())
+PRESET_FIELDS: dict[str, Fields] = {
+    f["name"]: f for f in (_v41_flash(), _v41_small(), _v41_tiny(), _v4_flash(), _v4_tiny())
 }
 
 
 def preset_names() -> list[str]:
-    return list(PRESETS)
+    return list(PRESET_FIELDS)

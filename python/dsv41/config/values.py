@@ -9,11 +9,12 @@ __all__ = [
     "DEFAULT_BETA_SLOW",
     "MAIN_KV_FORMATS",
     "SCORING_FUNCS",
-    "SUPPORTED_RATIOS",
     "ConfigError",
     "as_float",
     "as_int",
     "normalise_rope_scaling",
+    "ratio_supported",
+    "supported_ratios_text",
 ]
 
 
@@ -21,11 +22,26 @@ class ConfigError(ValueError):
     """An invalid or incomplete model configuration."""
 
 
-# Compression ratios each main-KV format can serve. NVFP4 is the V4.1 format (ratios 1 and
-# 2 only); fp8_v4 is DeepSeek-V4's (CSA 4, HCA 128).
-SUPPORTED_RATIOS: dict[str, tuple[int, ...]] = {"nvfp4": (0, 1, 2), "fp8_v4": (0, 4, 128)}
-MAIN_KV_FORMATS = tuple(SUPPORTED_RATIOS)
-SCORING_FUNCS = ("sqrtsoftplus",)
+MAIN_KV_FORMATS = ("nvfp4", "fp8_v4")
+# Router scores (model/moe.py): V4's sqrtsoftplus, and the sigmoid and softmax that
+# DeepSeek's reference and transformers also define.
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+def ratio_supported(fmt: str, ratio: int) -> bool:
+    """Whether layers of a `fmt` model may compress by `ratio` (0: SWA-only). NVFP4 is
+    V4.1's format, whose compressors are defined at ratios 1 and 2; fp8_v4 is
+    DeepSeek-V4's, whose compressors (gated, with a position bias) pool blocks of any
+    m >= 2 tokens (V4-Flash: CSA 4, HCA 128; transformers' `compress_rates` change them).
+    A V4 compressor at m = 1 has a gate and position bias that dsv41's ratio-1 (V4.1)
+    compressor does not, so fp8_v4 refuses it."""
+    if fmt == "nvfp4":
+        return ratio in (0, 1, 2)
+    return ratio == 0 or ratio >= 2
+
+
+def supported_ratios_text(fmt: str) -> str:
+    return "0, 1, 2" if fmt == "nvfp4" else "0 and any ratio >= 2"
 
 # Assumed YaRN betas when a config gives only factor and original length (the DeepSeek-V3
 # defaults; the V4.1 release does not state them).

@@ -78,6 +78,12 @@ def ceil_pow2_exponent(v: torch.Tensor) -> torch.Tensor:
     return code.to(torch.uint8)
 
 
+def canonical_nan(y: torch.Tensor) -> torch.Tensor:
+    """y with every NaN written as 0x7FC00000, the one NaN the formats decode to (the
+    hardware would pick the sign and payload of a NaN product itself)."""
+    return torch.where(torch.isnan(y), torch.tensor(float("nan"), dtype=y.dtype, device=y.device), y)
+
+
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
@@ -118,7 +124,7 @@ def quantize_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     v = _blocks(e2m1_decode(_unpack_fp4(codes)), NVFP4_BLOCK)
     s = e4m3_decode(scales.view(torch.uint8))
-    return (v * s[..., None]).flatten(-2)
+    return canonical_nan(v * s[..., None]).flatten(-2)
 
 
 def _quantize_mx(x: torch.Tensor, block: int, elem_max: float, encode) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +144,7 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     v = _blocks(e2m1_decode(_unpack_fp4(codes)), MXFP4_BLOCK)
-    return (v * ue8m0_decode(scales.view(torch.uint8))[..., None]).flatten(-2)
+    return canonical_nan(v * ue8m0_decode(scales.view(torch.uint8))[..., None]).flatten(-2)
 
 
 def quantize_fp8_swa(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +154,7 @@ def quantize_fp8_swa(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_fp8_swa(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     v = _blocks(e4m3_decode(values.view(torch.uint8)), FP8_SWA_BLOCK)
-    return (v * ue8m0_decode(scales.view(torch.uint8))[..., None]).flatten(-2)
+    return canonical_nan(v * ue8m0_decode(scales.view(torch.uint8))[..., None]).flatten(-2)
 
 
 # ---- FP8 V4 main-KV entry -----------------------------------------------------------------
@@ -190,4 +196,4 @@ def dequantize_fp8_v4(entries: torch.Tensor, head_dim: int, rope_dim: int) -> to
     b = entries[..., lay.rope_offset:lay.scale_offset].to(torch.int32)
     h = b[..., 0::2] | (b[..., 1::2] << 8)  # little-endian bf16 bits
     rope = (h << 16).view(torch.float32)     # bf16 is the top half of a float32
-    return torch.cat((nope, rope), dim=-1)
+    return canonical_nan(torch.cat((nope, rope), dim=-1))

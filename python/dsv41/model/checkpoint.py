@@ -9,9 +9,12 @@ also accepts a single `model.safetensors` without an index.
 Loading also reads a directory written by transformers' DeepseekV4ForCausalLM.
 save_pretrained and DeepSeek's original naming with FP8 / FP4 weights (dequantized to
 float32 on load; `weights.py` gives the layouts). Draft-layer (`mtp.*`) tensors are
-ignored. Loading checks the names, shapes and dtypes of every tensor against the model
-the config builds and fails with an error naming the missing, unexpected or mis-shaped
-tensors.
+ignored. Loading checks everything before it allocates the model: each shard's header
+against its bytes (safetensors_file.py: a truncated or damaged shard is named with what is
+wrong), the names, shapes and dtypes of every tensor against the model the config builds,
+and the values of every integer (index-like) tensor by the module that owns it
+(`check_loaded`: a hash table's expert ids in range), failing with an error naming the
+file or tensor.
 
 `weights_digest.json` records the weights' content digest (model/weights_id.py): written by
 save_pretrained and `dsv41 digest DIR`, re-checked cheaply by load_pretrained, which sets
@@ -28,11 +31,13 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from .production import place_quantized, take_quantized
+from .safetensors_file import ShardError, read_header
 from .weights import (
     WeightError,
     dequantize_all,
     from_transformers,
     is_transformers_naming,
+    read_quantization,
 )
 from .weights_id import check_weights_id, record_weights_digest, recorded_weights_digest
 
@@ -93,14 +98,78 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = 2 <<
 
 def _weight_map(directory: Path) -> dict[str, str]:
     if (directory / INDEX_NAME).exists():
-        index = json.loads((directory / INDEX_NAME).read_text())
-        if not isinstance(index.get("weight_map"), dict):
+        try:
+            index = json.loads((directory / INDEX_NAME).read_text())
+        except ValueError as e:
+            raise CheckpointError(f"{directory / INDEX_NAME}: not JSON ({e})") from None
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise CheckpointError(f"{directory / INDEX_NAME}: no 'weight_map' dict")
+        bad = [k for k, v in index["weight_map"].items() if not isinstance(v, str)]
+        if bad:
+            raise CheckpointError(f"{directory / INDEX_NAME}: weight_map gives no file name "
+                                  f"for {_names(bad, 3)}")
         return dict(index["weight_map"])
     if (directory / SINGLE_NAME).exists():
-        with safe_open(str(directory / SINGLE_NAME), framework="pt") as f:
-            return {k: SINGLE_NAME for k in f.keys()}
+        return {k: SINGLE_NAME for k in _header(directory, SINGLE_NAME).tensors}
     raise CheckpointError(f"{directory}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+
+
+def _header(directory: Path, fname: str):
+    """The shard's checked header (safetensors_file.py): a damaged shard is named with what
+    is wrong with it before the safetensors library reads it."""
+    try:
+        return read_header(directory / fname)
+    except ShardError as e:
+        raise CheckpointError(f"shard {e}") from None
+
+
+def _read_shard(directory: Path, fname: str, names: list[str]) -> dict[str, torch.Tensor]:
+    present = _header(directory, fname).tensors
+    for name in names:
+        if name not in present:
+            raise CheckpointError(f"{fname}: the index lists tensor {name!r} in this "
+                                  f"shard, but it is not there")
+    try:
+        with safe_open(str(directory / fname), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in names}
+    except Exception as e:  # safetensors' own error type: name the file with it
+        raise CheckpointError(f"shard {directory / fname}: unreadable: "
+                              f"{type(e).__name__}: {e}") from None
+
+
+def _tie_head(tensors: dict[str, torch.Tensor], raw: dict) -> None:
+    """With tie_word_embeddings (top level or in text_config) the head is the embedding:
+    transformers then saves no head.weight. dsv41 keeps its own copy of it (the same values;
+    save_pretrained writes both, untied, which reads back to the same model)."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    if not (raw.get("tie_word_embeddings") or text.get("tie_word_embeddings")):
+        return
+    if "embed.weight" not in tensors:
+        return                      # reported as missing with the other tensors
+    embed = tensors["embed.weight"]
+    head = tensors.setdefault("head.weight", embed)
+    if head is not embed and not torch.equal(head.to(embed.dtype), embed):
+        raise CheckpointError("tie_word_embeddings is set, but the checkpoint's head.weight "
+                              "differs from embed.weight")
+
+
+def _check_tensor(model, name: str, t: torch.Tensor, want: torch.Tensor) -> None:
+    """A checkpoint tensor against the parameter or buffer it fills: shape, dtype kind and,
+    for integer (index-like) tensors, the owning module's range rule (`check_loaded`)."""
+    if tuple(t.shape) != tuple(want.shape):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, "
+                              f"expected {tuple(want.shape)}")
+    if want.is_floating_point():
+        if not t.is_floating_point():
+            raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, expected a "
+                                  f"floating dtype")
+        return
+    owner, _, attr = name.rpartition(".")
+    check = getattr(model.get_submodule(owner), "check_loaded", None)
+    reason = (f"dsv41 has no range rule for its integer tensor {attr!r}" if check is None
+              else check(attr, t))
+    if reason is not None:
+        raise CheckpointError(f"tensor {name!r}: {reason}")
 
 
 def shard_files(directory: str | Path) -> list[str]:
@@ -147,23 +216,17 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
                                   f"is missing")
     tensors: dict[str, torch.Tensor] = {}
     for fname, names in files.items():
-        with safe_open(str(directory / fname), framework="pt") as f:
-            present = set(f.keys())
-            for name in names:
-                if name not in present:
-                    raise CheckpointError(f"{fname}: the index lists tensor {name!r} in this "
-                                          f"shard, but it is not there")
-                tensors[name] = f.get_tensor(name)
+        tensors.update(_read_shard(directory, fname, names))
     try:
         if is_transformers_naming(tensors):
             tensors = from_transformers(tensors)
-        quant = raw.get("quantization_config") or raw.get("text_config", {}).get(
-            "quantization_config")
+        quant = read_quantization(raw)
         # The production path keeps FP8/FP4 weights as shipped (production.py).
         kept = take_quantized(tensors, quant) if precision != "reference" else {}
         tensors = dequantize_all(tensors, quant)
     except WeightError as exc:
         raise CheckpointError(f"{directory}: {exc}") from None
+    _tie_head(tensors, raw)
     missing = set(expected) - set(tensors) - {f"{name}.weight" for name in kept}
     extra = set(tensors) - set(expected)
     if missing or extra:
@@ -174,19 +237,14 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
             parts.append(f"unexpected tensors: {_names(extra)}")
         raise CheckpointError(f"{directory}: checkpoint does not match config "
                               f"{config.name!r}: " + "; ".join(parts))
+    for name, t in tensors.items():   # every check before any memory is allocated
+        _check_tensor(model, name, t, expected[name])
     model = model.to_empty(device=device)
     place_quantized(model, kept, device)
     params = model.state_dict()
     with torch.no_grad():
         for name, t in tensors.items():
-            want = params[name]
-            if tuple(t.shape) != tuple(want.shape):
-                raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, "
-                                      f"expected {tuple(want.shape)}")
-            if want.is_floating_point() != t.is_floating_point():
-                raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, expected "
-                                      f"{'a floating dtype' if want.is_floating_point() else want.dtype}")
-            want.copy_(t.to(want.dtype))
+            params[name].copy_(t.to(params[name].dtype))
     # The digest covers every shard (draft-layer ones too), as `dsv41 digest` records it.
     model.weights_id = (weights_id if weights_id is not None
                         else recorded_weights_digest(directory, shard_files(directory)))

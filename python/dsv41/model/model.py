@@ -137,9 +137,9 @@ class Model(nn.Module):
     def __init__(self, config: ModelConfig, *, indexer_rotation: bool = True,
                  kv_dtype: str = "stored", precision: str = "reference"):
         super().__init__()
-        _check_supported(config, indexer_rotation)
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        _check_supported(config, indexer_rotation, kv_dtype)
         if precision not in production.PRECISIONS:
             raise ValueError(f"precision must be one of {production.PRECISIONS}, "
                              f"got {precision!r}")
@@ -467,14 +467,16 @@ def _one_token(token) -> list[int]:
     return [token]
 
 
-def _check_supported(config: ModelConfig, indexer_rotation: bool) -> None:
+def _check_supported(config: ModelConfig, indexer_rotation: bool, kv_dtype: str) -> None:
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-    if config.rope_head_dim >= config.index_head_dim:
-        raise ValueError(f"config {config.name!r}: rope_head_dim={config.rope_head_dim} must be "
-                         f"smaller than index_head_dim={config.index_head_dim} (indexer RoPE)")
-    if config.index_head_dim % 32:
-        raise ValueError(f"index_head_dim={config.index_head_dim} is not a multiple of 32")
+    if config.rope_head_dim > config.index_head_dim:
+        raise ValueError(f"config {config.name!r}: rope_head_dim={config.rope_head_dim} must not "
+                         f"exceed index_head_dim={config.index_head_dim} (the indexer rotates "
+                         f"the last rope_head_dim dims of its heads)")
+    if kv_dtype != "stored":
+        return   # float32 KV: nothing is quantized or rotated, any dims work
+    config.check_stored_formats()
     n = config.index_head_dim
     if indexer_rotation and n & (n - 1):
         raise ValueError(f"indexer_rotation needs a power-of-two index_head_dim, got {n}")

@@ -1,9 +1,10 @@
-"""Mixture of experts: routed experts chosen by a sqrtsoftplus gate, plus shared experts.
+"""Mixture of experts: routed experts chosen by a gate, plus shared experts.
 
-Gate: scores = sqrt(softplus(W_g x)); the experts with the best scores + bias are chosen
-(the bias only steers the choice, as in DeepSeek-V3's noaux routing; ties go to the lower
-expert id); their unbiased scores are normalized to sum to 1 and scaled by
-routed_scaling_factor. Experts are SwiGLU MLPs w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))
+Gate: scores = score_func(W_g x), V4's sqrt(softplus(.)) or the sigmoid / softmax that
+DeepSeek's reference also defines; the experts with the best scores + bias are chosen (the
+bias only steers the choice, as in DeepSeek-V3's noaux routing; ties go to the lower expert
+id); their unbiased scores are normalized to sum to 1 (not for softmax, whose scores already
+do over all experts: DeepSeek's reference) and scaled by routed_scaling_factor. Experts are SwiGLU MLPs w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))
 with L = swiglu_limit. The shared expert (n_shared_experts of them fused into one MLP of
 n_shared * moe_intermediate_size) sees every token.
 
@@ -29,6 +30,7 @@ class Gate(nn.Module):
         super().__init__()
         c = config
         self.topk, self.route_scale = c.num_experts_per_tok, c.routed_scaling_factor
+        self.n_experts, self.score_func = c.n_routed_experts, c.scoring_func
         self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size),
                                    requires_grad=False)
         if hashed:
@@ -37,12 +39,45 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.empty(c.n_routed_experts), requires_grad=False)
 
+    def check_loaded(self, name: str, t: torch.Tensor) -> str | None:
+        """Why a checkpoint's integer tensor `name` of this gate cannot be used (None when
+        it can): tid2eid must hold expert ids in [0, n_routed_experts). Checked at load, so
+        a bad table fails there and not as an index error in the first forward."""
+        if name != "tid2eid":
+            return f"the gate has no integer tensor {name!r}"
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            return f"tid2eid must hold integer expert ids, got dtype {t.dtype}"
+        if t.numel():
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= self.n_experts:
+                bad = ((t < 0) | (t >= self.n_experts)).nonzero()[0].tolist()
+                return (f"tid2eid names expert {int(t[tuple(bad)])} (token {bad[0]}, slot "
+                        f"{bad[1]}); the layer has experts 0..{self.n_experts - 1} "
+                        f"(ids range over [{lo}, {hi}])")
+        return None
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Router scores [T, E] from the gate's logits, in the logits' dtype."""
+        if self.score_func == "sigmoid":
+            return torch.sigmoid(logits)
+        if self.score_func == "softmax":
+            return torch.softmax(logits, dim=-1)
+        return torch.sqrt(F.softplus(logits))
+
+    def route_weights(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' weights [T, k]: their scores, normalized over the k (softmax
+        scores are not: DeepSeek's reference), times routed_scaling_factor."""
+        weights = scores.gather(1, ids)
+        if self.score_func != "softmax":
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.route_scale
+
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] f32 (tokens [T]: the ids, for hash layers) -> expert ids [T, k]
         int64 (best first; table order for hash layers), weights [T, k] f64."""
         logits = torch.matmul(x.double(), as_f64(self.weight).T).float().double()
-        scores = torch.sqrt(F.softplus(logits))
+        scores = self.scores(logits)
         if hasattr(self, "tid2eid"):
             if tokens is None:
                 raise ValueError("a hash-routed MoE layer needs the token ids")
@@ -51,9 +86,7 @@ class Gate(nn.Module):
             order = torch.sort(scores + as_f64(self.bias), dim=-1, descending=True,
                                stable=True)
             ids = order.indices[:, :self.topk]
-        weights = scores.gather(1, ids)
-        weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
-        return ids, weights
+        return ids, self.route_weights(scores, ids)
 
 
 class Expert(nn.Module):

@@ -197,7 +197,7 @@ def attend(q: torch.Tensor, swa: torch.Tensor, swa_idx: torch.Tensor, kv: torch.
 
 def gate_forward(gate: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None):
     """The router in float32: expert ids [T, k], weights [T, k] float32."""
-    scores = torch.sqrt(F.softplus(F.linear(x.float(), gate.weight.float())))
+    scores = gate.scores(F.linear(x.float(), gate.weight.float()))
     if hasattr(gate, "tid2eid"):
         if tokens is None:
             raise ValueError("a hash-routed MoE layer needs the token ids")
@@ -205,8 +205,7 @@ def gate_forward(gate: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None):
     else:
         ids = torch.sort(scores + gate.bias.float(), dim=-1, descending=True,
                          stable=True).indices[:, :gate.topk]
-    w = scores.gather(1, ids)
-    return ids, w / w.sum(-1, keepdim=True) * gate.route_scale
+    return ids, gate.route_weights(scores, ids)
 
 
 def expert_forward(expert: nn.Module, xb: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,13 @@ renamed by inverting transformers' conversion mapping for deepseek_v4
 that mapping reversed (DeepSeek's names under a "model." prefix, `model.hc_head.hc_fn`,
 and the attention's kv_norm as `attn.norm`): the same rules read it.
 
+Which formats a checkpoint uses is read from its config.json by `read_quantization`, in
+every spelling DeepSeek and transformers use: `quantization_config` (top level or inside
+`text_config`: `weight_block_size`, `expert_dtype`, `scale_fmt`, `fmt`); `expert_dtype` at
+the top level (DeepSeek-V4's released config.json puts it there; transformers folds it into
+quantization_config); and DeepSeek's flat inference config (`dtype` "fp8"/"bf16" for the
+dense weights, `expert_dtype`, `scale_fmt`). Two spellings that disagree are an error.
+
 Quantized weights (DeepSeek's release; transformers' FP8 integration reads the same bytes):
   - FP8: `X.weight` float8_e4m3fn [out, in] with `X.scale` (DeepSeek) or
     `X.weight_scale_inv` (transformers) [ceil(out/b0), ceil(in/b1)], one scale per
@@ -34,6 +41,7 @@ __all__ = [
     "dequantize_all",
     "from_transformers",
     "is_transformers_naming",
+    "read_quantization",
 ]
 
 FP4_TABLE = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -44,6 +52,72 @@ DEFAULT_FP8_BLOCK = (128, 128)
 
 class WeightError(ValueError):
     """A checkpoint tensor that cannot be turned into a dsv41 parameter."""
+
+
+EXPERT_DTYPES = ("fp4", "fp8", "bf16")   # formats a checkpoint's experts may be stored in
+_DTYPE_NAMES = {"fp4": "fp4", "fp8": "fp8", "e4m3": "fp8", "float8_e4m3fn": "fp8",
+                "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def _dtype_name(where: str, value) -> str:
+    name = _DTYPE_NAMES.get(str(value).lower()) if isinstance(value, str) else None
+    if name is None:
+        raise WeightError(f"{where} = {value!r} is not a weight format dsv41 reads "
+                          f"({', '.join(EXPERT_DTYPES)})")
+    return name
+
+
+def read_quantization(raw: Mapping) -> dict | None:
+    """The weight formats a config.json (as parsed JSON) declares, as one dict:
+    {"weight_block_size": [b0, b1], "expert_dtype", "dense_dtype", "scale_fmt"} with the
+    keys it states (dtypes "fp4" / "fp8" / "bf16"); None when it states none (the caller
+    then falls back to what the tensors' own dtypes say). See the module docstring for the
+    spellings read."""
+    if not isinstance(raw, Mapping):
+        return None
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), Mapping) else {}
+    found: dict[str, tuple[str, object]] = {}   # key -> (where it was read, value)
+
+    def take(key: str, where: str, value) -> None:
+        if value is None:
+            return
+        if key in found and found[key][1] != value:
+            raise WeightError(f"config.json states the {key.replace('_', ' ')} twice and "
+                              f"differently: {found[key][0]} = {found[key][1]!r}, "
+                              f"{where} = {value!r}")
+        found.setdefault(key, (where, value))
+
+    for prefix, src in (("", raw), ("text_config.", text)):
+        q = src.get("quantization_config")
+        if isinstance(q, Mapping):
+            at = f"{prefix}quantization_config"
+            if q.get("weight_block_size") is not None:
+                block = q["weight_block_size"]
+                if (not isinstance(block, (list, tuple)) or len(block) != 2
+                        or not all(isinstance(b, int) and b > 0 for b in block)):
+                    raise WeightError(f"{at}.weight_block_size must be two positive ints, "
+                                      f"got {block!r}")
+                take("weight_block_size", f"{at}.weight_block_size", [int(b) for b in block])
+            if q.get("expert_dtype") is not None:
+                take("expert_dtype", f"{at}.expert_dtype",
+                     _dtype_name(f"{at}.expert_dtype", q["expert_dtype"]))
+            if q.get("quant_method") == "fp8" or q.get("fmt") is not None:
+                fmt = q.get("fmt", "e4m3")
+                take("dense_dtype", f"{at}.fmt", _dtype_name(f"{at}.fmt", fmt))
+            if q.get("scale_fmt") is not None:
+                take("scale_fmt", f"{at}.scale_fmt", str(q["scale_fmt"]))
+        if src.get("expert_dtype") is not None:
+            take("expert_dtype", f"{prefix}expert_dtype",
+                 _dtype_name(f"{prefix}expert_dtype", src["expert_dtype"]))
+        # DeepSeek's flat inference config (ModelArgs): `dtype` is "fp8" or "bf16" there;
+        # the HF `dtype`/`torch_dtype` ("bfloat16") names the unquantized tensors' dtype.
+        if src.get("dtype") in ("fp8", "bf16"):
+            take("dense_dtype", f"{prefix}dtype", src["dtype"])
+        if src.get("scale_fmt") is not None:
+            take("scale_fmt", f"{prefix}scale_fmt", str(src["scale_fmt"]))
+    if not found:
+        return None
+    return {key: value for key, (_, value) in found.items()}
 
 
 def is_transformers_naming(names) -> bool:
@@ -139,7 +213,7 @@ def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torc
 def dequantize_all(tensors: dict[str, torch.Tensor], quant: Mapping | None
                    ) -> dict[str, torch.Tensor]:
     """Replace every quantized `X.weight` (+ `X.scale` / `X.weight_scale_inv`) by its
-    float32 values; other tensors pass through."""
+    float32 values; other tensors pass through. quant: `read_quantization`'s dict."""
     quant = dict(quant or {})
     block = tuple(quant.get("weight_block_size") or DEFAULT_FP8_BLOCK)
     out = dict(tensors)
@@ -154,10 +228,11 @@ def dequantize_all(tensors: dict[str, torch.Tensor], quant: Mapping | None
                 raise WeightError(f"tensor {name!r}: FP8 weight without {base}.scale")
             out[name] = dequantize_fp8(t, tensors[scale_name], block, name)
         elif t.dtype in (torch.int8, torch.uint8) and scale_name is not None:
-            if str(quant.get("expert_dtype", "")).lower() != "fp4":
-                raise WeightError(f"tensor {name!r}: packed {t.dtype} weight but "
-                                  f"quantization_config.expert_dtype is "
-                                  f"{quant.get('expert_dtype')!r}, not 'fp4'")
+            if quant.get("expert_dtype") != "fp4":
+                raise WeightError(f"tensor {name!r}: packed {t.dtype} weight but the config "
+                                  f"states expert_dtype {quant.get('expert_dtype')!r}, not "
+                                  f"'fp4' (read from expert_dtype or "
+                                  f"quantization_config.expert_dtype)")
             out[name] = dequantize_fp4(t, tensors[scale_name], name)
         else:
             continue

@@ -36,11 +36,12 @@ import hashlib
 import json
 import logging
 import os
-import struct
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable
+
+from .safetensors_file import read_header
 
 __all__ = ["DIGEST_NAME", "synthetic_weights_id", "compute_weights_digest", "record_weights_digest",
            "recorded_weights_digest", "check_weights_id", "weights_stamp_path"]
@@ -51,7 +52,6 @@ DIGEST_NAME = "weights_digest.json"
 _RECORD_FORMAT = "dsv41.weights_digest/1"
 _ALGORITHM = "sha256-tensors/1"  # name, dtype, shape, bytes of each tensor in name order
 _CHUNK = 8 << 20
-_MAX_HEADER = 100 << 20          # safetensors' own bound on the JSON header
 _STAMP_FORMAT = "dsv41.weights_stamp/1"
 _MAX_STAMP = 64 << 20            # a stamp holds a few hundred bytes per shard
 
@@ -73,34 +73,14 @@ def synthetic_weights_id(config_fingerprint: str, seed: int) -> str:
     return "synthetic:" + hashlib.sha256(blob).hexdigest()
 
 
-def _read_header(path: Path) -> tuple[bytes, dict, int]:
-    """(raw header bytes, parsed header, offset of the data section) of a safetensors file."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or n > os.fstat(f.fileno()).st_size - 8:
-            raise ValueError(f"{path}: safetensors header length {n} is out of bounds")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"{path}: safetensors header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: safetensors header is not a JSON object")
-    return raw, header, 8 + n
-
-
 def _file_facts(directory: Path, files: Iterable[str]) -> dict[str, dict]:
     """What the cheap re-check compares: size, mtime and the header's hash of each shard."""
     out = {}
     for name in sorted(files):
         p = directory / name
         st = p.stat()
-        raw, _, _ = _read_header(p)
         out[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                     "header_sha256": hashlib.sha256(raw).hexdigest()}
+                     "header_sha256": hashlib.sha256(read_header(p).raw).hexdigest()}
     return out
 
 
@@ -110,19 +90,9 @@ def compute_weights_digest(directory: str | Path, files: Iterable[str],
     directory = Path(directory)
     tensors = []      # (name, file, dtype, shape, begin, end)
     for fname in sorted(set(files)):
-        _, header, data_at = _read_header(directory / fname)
-        size = (directory / fname).stat().st_size
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                begin, end = (int(x) for x in info["data_offsets"])
-                dtype, shape = str(info["dtype"]), [int(s) for s in info["shape"]]
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{directory / fname}: malformed entry for tensor {name!r}") from None
-            if not 0 <= begin <= end or data_at + end > size:
-                raise ValueError(f"{directory / fname}: tensor {name!r} lies outside the file")
-            tensors.append((name, fname, dtype, shape, data_at + begin, data_at + end))
+        header = read_header(directory / fname)
+        for name, info in header.tensors.items():
+            tensors.append((name, fname, info["dtype"], info["shape"], *header.span(name)))
     tensors.sort()
     names = [t[0] for t in tensors]
     if len(set(names)) != len(names):

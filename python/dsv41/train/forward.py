@@ -61,6 +61,8 @@ def check_trainable(config: ModelConfig) -> None:
         problems.append("dense (HCA) layers")
     if config.num_hash_layers:
         problems.append("hash-routed MoE layers")
+    if config.scoring_func != "sqrtsoftplus":
+        problems.append(f"scoring_func {config.scoring_func!r} (the router is sqrtsoftplus)")
     if problems:
         raise ValueError(f"config {config.name!r} cannot be trained by dsv41.train: "
                          + "; ".join(problems))
