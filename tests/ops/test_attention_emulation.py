@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsv41._ext import _C
-from dsv41.config.presets import PRESETS
+from dsv41.config import PRESETS
 from dsv41.ops import reference
 
 from . import attention_emulator as emu

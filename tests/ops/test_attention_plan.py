@@ -12,7 +12,7 @@ import torch
 import dsv41
 from dsv41 import ops
 from dsv41._ext import _C
-from dsv41.config.presets import PRESETS
+from dsv41.config import PRESETS
 from dsv41.ops.fallbacks import KernelFallbacks
 
 from .kernel_cases import attention_inputs

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsv41 import ops
-from dsv41.config.presets import PRESETS
+from dsv41.config import PRESETS
 
 from .kernel_cases import (DEVICE, assert_within_bf16_error, attention_inputs, bf16_attention, reference,
                            replay_window_idx, to_device)
