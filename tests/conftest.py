@@ -7,7 +7,24 @@ import torch
 
 import dsv41  # noqa: F401  (fails loudly if the extension is missing)
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# GPU gating, one way for all of tests/: markers, resolved here (pyproject.toml lists them).
+#   @pytest.mark.gpu         needs a CUDA GPU; skipped without one.
+#   @pytest.mark.gpu(cpu_dry_run=True)   same, but DSV41_KERNEL_TEST_DEVICE=cpu runs it on the
+#                            CPU, where the ops are the reference: a dry run of the kernel
+#                            tests' harness (tests/ops/kernel_cases.py), not of a kernel.
+#   @pytest.mark.no_gpu      must not see a GPU (dry runs of the GPU scripts); skipped with one.
+# Nothing else in tests/ asks torch.cuda.is_available().
+HAS_GPU = torch.cuda.is_available()
+KERNEL_TEST_DEVICE = os.environ.get("DSV41_KERNEL_TEST_DEVICE", "cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        gpu = item.get_closest_marker("gpu")
+        if gpu is not None and not HAS_GPU and not (gpu.kwargs.get("cpu_dry_run") and KERNEL_TEST_DEVICE == "cpu"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if item.get_closest_marker("no_gpu") is not None and HAS_GPU:
+            item.add_marker(pytest.mark.skip(reason="a GPU is visible: this dry run would be a real run"))
 
 
 @pytest.fixture

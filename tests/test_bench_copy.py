@@ -5,12 +5,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .conftest import requires_cuda
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_refcheck_round_trip_is_bit_exact():
     import bench_copy
 

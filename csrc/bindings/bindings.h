@@ -14,4 +14,8 @@ void bind_io(pybind11::module_& m);
 // csrc/bindings/remote.cpp: the remote tier's values as the submodule dsv41._C.remote.
 void bind_remote(pybind11::module_& m);
 
+// csrc/bindings/attention.cpp: the attention, indexer and top-k kernels as the submodule
+// dsv41._C.kernels (what the ops in python/dsv41/ops call on CUDA tensors).
+void bind_kernels(pybind11::module_& m);
+
 }  // namespace dsv41

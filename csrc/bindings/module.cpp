@@ -40,4 +40,5 @@ PYBIND11_MODULE(_C, m) {
   // Each binding file's hook (declared in bindings.h) is called here.
   dsv41::bind_io(m);
   dsv41::bind_remote(m);
+  dsv41::bind_kernels(m);
 }

@@ -14,7 +14,7 @@ namespace dsv41 {
 namespace attn {
 namespace {
 
-constexpr int kCombineThreads = 128;  // one (query, head) per CTA: 512 dims = 128 float4
+constexpr int kCombineThreads = 128;  // one (query, head) per CTA, a float4 of dims per thread
 
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const __grid_constant__ KernelArgs a) {
@@ -44,30 +44,30 @@ __global__ void __launch_bounds__(kCombineThreads)
     factor = 1.f / (1.f + expf(p.sink[h] - lse));
   }
   if (threadIdx.x == 0) p.lse[static_cast<int64_t>(t) * p.lse_stride_t + h] = lse;
-  const int d4 = threadIdx.x;  // float4 index within the 512 dims
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (factor != 0.f) {
-    for (int s = 0; s < S; ++s) {
-      const float ls = lse_s[static_cast<int64_t>(s) * p.H];
-      const float w = expf(ls - lse) * factor;
-      if (w == 0.f) continue;  // -inf split (its partial is zeros anyway)
-      const float4 v = reinterpret_cast<const float4*>(
-          a.ws_o + ((static_cast<int64_t>(t) * S + s) * p.H + h) * kHeadDim)[d4];
-      acc.x += w * v.x;
-      acc.y += w * v.y;
-      acc.z += w * v.z;
-      acc.w += w * v.w;
-    }
-  }
-  if (nan) acc = make_float4(NAN, NAN, NAN, NAN);
   float* dst = p.out + static_cast<int64_t>(t) * p.out_stride_t + static_cast<int64_t>(h) * p.out_stride_h;
-  reinterpret_cast<float4*>(dst)[d4] = acc;
+  for (int d4 = threadIdx.x; d4 < p.D / 4; d4 += kCombineThreads) {  // float4 index within the row
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (factor != 0.f) {
+      for (int s = 0; s < S; ++s) {
+        const float ls = lse_s[static_cast<int64_t>(s) * p.H];
+        const float w = expf(ls - lse) * factor;
+        if (w == 0.f) continue;  // -inf split (its partial is zeros anyway)
+        const float4 v = reinterpret_cast<const float4*>(
+            a.ws_o + ((static_cast<int64_t>(t) * S + s) * p.H + h) * p.D)[d4];
+        acc.x += w * v.x;
+        acc.y += w * v.y;
+        acc.z += w * v.z;
+        acc.w += w * v.w;
+      }
+    }
+    if (nan) acc = make_float4(NAN, NAN, NAN, NAN);
+    reinterpret_cast<float4*>(dst)[d4] = acc;
+  }
 }
 
 }  // namespace
 
 cudaError_t launch_combine(const KernelArgs& a, cudaStream_t stream) {
-  static_assert(kHeadDim == 4 * kCombineThreads, "one float4 per thread");
   const int64_t blocks = static_cast<int64_t>(a.p.T) * a.p.H;
   combine_kernel<<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(a);
   return cudaGetLastError();

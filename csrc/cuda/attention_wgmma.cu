@@ -1,8 +1,8 @@
 // Sparse attention with dequantize-on-load on Hopper's warpgroup MMA (wgmma, sm_90a).
-// Selected at run time with DSV41_ATTENTION_IMPL=wgmma; the mma.sync kernel stays the
-// default until a GPU run shows this one correct and faster (docs/kernels.md).
+// The default at D = 512 on sm_90a for batches of two or more queries (the plan in
+// attention.cu; the first GPU run's numbers are in docs/kernels.md).
 //
-// Same work split and math as attention_mma.cu: one CTA = (query token t, 64 heads, key
+// Same work split and math as attention_mma.cuh: one CTA = (query token t, 64 heads, key
 // split s); the valid keys compacted into one list (SWA, then global), tiles of 64 keys,
 // online softmax in the log2 domain, NVFP4 tiles decoded as value * 2^-8 (the folded
 // constant), V = K (MQA). What differs: three warpgroups with fixed roles.
@@ -54,7 +54,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attention_compact.cuh"
+#include "attention_cta.cuh"
 #include "attention_internal.h"
 #include "dsv41/attention/config.h"
 #include "dsv41/cuda/ptx.h"
@@ -72,23 +72,14 @@ using ptx::ld_shared_v4;
 using ptx::st_shared_b32;
 using ptx::st_shared_v4;
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
 // Byte offset of 16-byte chunk c (dims 8c..8c+7) of row r in a 128-byte-swizzled tile.
 __device__ __forceinline__ uint32_t wg_off(int r, int c) {
   return static_cast<uint32_t>((c >> 3) * kWgBlockBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
-struct Tile {
-  int first;  // position in the compacted key list
-  int rows;   // valid rows (1..64)
-  bool kv;    // NVFP4 global entries (else FP8 SWA)
-};
-
 // Producer thread ptid's cp.async share of tile ti: its raw values into the stage (row r at
 // r * 512 (FP8) or r * 256 (NVFP4) bytes, 16-byte chunk c at (c ^ (r & 7)), as in
-// attention_mma.cu's raw buffers) and its scale rows into sSc (r * 16 or r * 32 bytes).
+// attention_mma.cuh's raw buffers) and its scale rows into sSc (r * 16 or r * 32 bytes).
 // Rows past the tile's count are zero-filled (they decode to zeros, so a V row never holds
 // stale data; their logits are masked).
 __device__ __forceinline__ void stage_tile(const SparseAttentionParams& p, const int* s_idx, const Tile& ti,
@@ -148,7 +139,7 @@ __device__ __forceinline__ void read_share(uint32_t stage, uint32_t sSc, bool kv
   }
 }
 
-// One thread's share -> bf16 K tile (the same decoders and groups as attention_mma.cu).
+// One thread's share -> bf16 K tile (the same decoders and groups as attention_mma.cuh).
 __device__ __forceinline__ void store_share(uint32_t sK, bool kv, int r, int qq, const RawShare& raw) {
   uint32_t o[4];
   if (!kv) {
@@ -228,23 +219,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   }
 
   // ---- the key list of this query ----
-  const int n_swa = compact_indices<kWgThreads>(p.swa_idx + static_cast<int64_t>(t) * p.swa_idx_stride, p.W,
-                                    p.n_swa_rows, s_idx, s_misc);
-  const int n_kv = compact_indices<kWgThreads>(p.kv_idx + static_cast<int64_t>(t) * p.kv_idx_stride, p.K,
-                                   p.n_kv_rows, s_idx + n_swa, s_misc);
-  const int swa_tiles = (n_swa + kTileKeys - 1) / kTileKeys;
-  const int n_tiles = swa_tiles + (n_kv + kTileKeys - 1) / kTileKeys;
-  int tb = 0, te = n_tiles;
-  if (kSplit) {
-    const int per = (n_tiles + S - 1) / S;
-    tb = min(n_tiles, split * per);
-    te = min(n_tiles, tb + per);
-  }
-  auto tile = [&](int i) -> Tile {
-    if (i < swa_tiles) return {kTileKeys * i, min(kTileKeys, n_swa - kTileKeys * i), false};
-    const int j = i - swa_tiles;
-    return {n_swa + kTileKeys * j, min(kTileKeys, n_kv - kTileKeys * j), true};
-  };
+  const KeyList kl = build_key_list<kWgThreads>(p, t, S, split, s_idx, s_misc);
+  const int tb = kl.tb, te = kl.te;
 
   wgmma::fence_proxy_async();  // q (generic stores) -> wgmma
   __syncthreads();             // q and the key list ready; the last CTA-wide barrier
@@ -260,7 +236,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const uint32_t stage = sK + kWgStageOff;
       const uint32_t sSc = sScales0 + b * kWgScaleBytes;
       if (j - tb >= 2) ptx::bar_sync(kWgBarEmpty0 + b, kWgThreads);  // P V of tile j-2 is done with it
-      const Tile tj = tile(j);
+      const Tile tj = kl.tile(j);
       stage_tile(p, s_idx, tj, stage, sSc, ptid);
       ptx::cp_async_commit();
       ptx::cp_async_wait<0>();
@@ -291,7 +267,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   for (int i = tb; i < te; ++i) {
     const int b = (i - tb) & 1;
     const uint32_t sK = sK0 + b * kKBytes;
-    const Tile ti = tile(i);
+    const Tile ti = kl.tile(i);
     ptx::bar_sync(kWgBarFull0 + b, kWgThreads);  // the producer decoded tile i into buffer b
 
     // ---- S = Q K^T: 64 heads x this warpgroup's 32 keys (the producer decodes meanwhile) ----
@@ -313,36 +289,16 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     // ---- online softmax (log2 domain); s_acc[4j + 2h + e] = S[srow0 + g + 8h][skey0 + 8j + 2qd + e] ----
     const float c_tile = p.softmax_scale * kLog2e * (ti.kv ? 256.f : 1.f);
     const float pshift = ti.kv ? 8.f : 0.f;
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool valid = skey0 + 8 * j + 2 * qd + e < ti.rows;
-        s_acc[4 * j + e] = valid ? s_acc[4 * j + e] * c_tile : -INFINITY;
-        s_acc[4 * j + 2 + e] = valid ? s_acc[4 * j + 2 + e] * c_tile : -INFINITY;
-        mx[0] = fmaxf(mx[0], s_acc[4 * j + e]);
-        mx[1] = fmaxf(mx[1], s_acc[4 * j + 2 + e]);
-      }
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xFFFFFFFFu, mx[rr], 1));
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xFFFFFFFFu, mx[rr], 2));
-    }
+    float mx[2];
+    scale_mask_rowmax(s_acc, skey0, qd, ti.rows, c_tile, mx);
     if (qd == 0) {
       s_red[wg * 64 + srow0 + g] = mx[0];
       s_red[wg * 64 + srow0 + g + 8] = mx[1];
     }
     ptx::bar_sync(kWgBarConsumers, kWgConsumerThreads);  // B1
     float alpha[2], m_use[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const float other = s_red[(wg ^ 1) * 64 + srow0 + g + 8 * rr];
-      const float m_new = fmaxf(m_run[rr], fmaxf(mx[rr], other));  // same in both warpgroups
-      m_use[rr] = m_new == -INFINITY ? 0.f : m_new;  // no valid key yet: p = 0, alpha = 0
-      alpha[rr] = ptx::ex2(m_run[rr] - m_use[rr]);
-      m_run[rr] = m_new;
-    }
+    const float other[2] = {s_red[(wg ^ 1) * 64 + srow0 + g], s_red[(wg ^ 1) * 64 + srow0 + g + 8]};
+    update_row_max(m_run, mx, other, alpha, m_use);
     float lsum[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -399,45 +355,23 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int row = srow0 + g + 8 * rr;
-      const float lt = s_l[row] + s_l[64 + row];
       float lse, scale;
-      if (lt == 0.f) {  // no valid key: out = 0, lse = -inf
-        lse = -INFINITY;
-        scale = 0.f;
-      } else if (lt != lt) {  // a NaN key: out = NaN; lse as in attention_mma.cu
-        lse = kSplit ? NAN : -INFINITY;
-        scale = NAN;
-      } else {
-        lse = (m_run[rr] + log2f(lt)) * kLn2;
-        scale = 1.f / lt;
-        if (!kSplit) scale *= 1.f / (1.f + expf(p.sink[h0 + row] - lse));
-      }
+      row_lse_scale<kSplit>(s_l[row] + s_l[64 + row], m_run[rr], p.sink[h0 + row], lse, scale);
       s_scale[row] = scale;
-      if (kSplit)
-        args.ws_lse[(static_cast<int64_t>(t) * S + split) * p.H + h0 + row] = lse;
-      else
-        p.lse[static_cast<int64_t>(t) * p.lse_stride_t + h0 + row] = lse;
+      *lse_slot<kSplit>(args, t, split, h0 + row) = lse;
     }
   }
   ptx::bar_sync(kWgBarConsumers, kWgConsumerThreads);
-  // o_acc[4j + 2rr + e] = O[srow0 + g + 8rr][stored position 256wg + 8j + 2qd + e]; stored
-  // positions 2qd, 2qd+1 of group 32wg+j are dims qd, qd+4: the shuffles of attention_mma.cu
-  // give lane qd dims 2qd, 2qd+1 for one 8-byte store.
-  const int src0 = (2 * qd) & 3, src1 = (2 * qd + 1) & 3, hi = qd >> 1;
+  // o_acc[4j + 2rr + e] = O[srow0 + g + 8rr][stored position 256wg + 8j + 2qd + e]: chunk
+  // 32wg + j of the row (attention_cta.cuh's store_row_pair un-permutes it).
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     const int row = srow0 + g + 8 * rr;
     const float sc = s_scale[row];
-    float* dst = kSplit ? args.ws_o + ((static_cast<int64_t>(t) * S + split) * p.H + h0 + row) * kHeadDim
-                        : p.out + static_cast<int64_t>(t) * p.out_stride_t + static_cast<int64_t>(h0 + row) * p.out_stride_h;
+    float* dst = out_row<kSplit>(args, t, split, h0 + row);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const float x0 = o_acc[4 * j + 2 * rr] * sc, x1 = o_acc[4 * j + 2 * rr + 1] * sc;
-      const float a0 = __shfl_sync(0xFFFFFFFFu, x0, src0, 4), a1 = __shfl_sync(0xFFFFFFFFu, x1, src0, 4);
-      const float b0 = __shfl_sync(0xFFFFFFFFu, x0, src1, 4), b1 = __shfl_sync(0xFFFFFFFFu, x1, src1, 4);
-      const int dim = 8 * (32 * wg + j) + 2 * qd;
-      *reinterpret_cast<float2*>(dst + dim) = make_float2(hi ? a1 : a0, hi ? b1 : b0);
-    }
+    for (int j = 0; j < 32; ++j)
+      store_row_pair(dst, 8 * (32 * wg + j) + 2 * qd, qd, o_acc[4 * j + 2 * rr] * sc, o_acc[4 * j + 2 * rr + 1] * sc);
   }
 #endif
 }
@@ -463,21 +397,14 @@ const char* wgmma_unavailable(int device) {
   return "";
 }
 
+cudaError_t prepare_wgmma() {
+  return prepare_tensor_core(&sparse_attention_wgmma_kernel<true>, &sparse_attention_wgmma_kernel<false>,
+                             kWgSmemBytes, 6);
+}
+
 cudaError_t launch_wgmma(const KernelArgs& a, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(a.p.T) * static_cast<unsigned>(a.num_splits),
-                  static_cast<unsigned>(a.p.H / kHeadsPerCta));
-  if (a.num_splits > 1) {
-    const void* f = reinterpret_cast<const void*>(&sparse_attention_wgmma_kernel<true>);
-    cudaError_t e = ensure_smem_attribute(f, kWgSmemBytes, 2);
-    if (e != cudaSuccess) return e;
-    sparse_attention_wgmma_kernel<true><<<grid, kWgThreads, kWgSmemBytes, stream>>>(a);
-  } else {
-    const void* f = reinterpret_cast<const void*>(&sparse_attention_wgmma_kernel<false>);
-    cudaError_t e = ensure_smem_attribute(f, kWgSmemBytes, 3);
-    if (e != cudaSuccess) return e;
-    sparse_attention_wgmma_kernel<false><<<grid, kWgThreads, kWgSmemBytes, stream>>>(a);
-  }
-  return cudaGetLastError();
+  return launch_tensor_core(&sparse_attention_wgmma_kernel<true>, &sparse_attention_wgmma_kernel<false>,
+                            kWgThreads, kWgSmemBytes, 6, a, stream);
 }
 
 }  // namespace attn

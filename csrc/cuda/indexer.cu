@@ -221,8 +221,9 @@ constexpr size_t kMaxMmaSmem = static_cast<size_t>(kMaxTokensPerCta) * kMaxHi * 
 
 }  // namespace
 
-int indexer_scores(const IndexerParams& p, void* stream) {
+int indexer_scores(const IndexerParams& p, void* stream, const char** fallback) {
   clear_launch_error();
+  if (fallback) *fallback = "";
   if (p.T < 0 || p.Hi <= 0 || p.Di <= 0 || p.N < 0 || p.C < 0)
     return launch_fail("indexer_scores: bad sizes (T=%d Hi=%d Di=%d)", p.T, p.Hi, p.Di);
   if (p.Di % 32) return launch_fail("indexer_scores: Di=%d is not a multiple of 32", p.Di);
@@ -233,10 +234,14 @@ int indexer_scores(const IndexerParams& p, void* stream) {
   int major = 0, dev = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  const bool mma = major >= 8 && p.Di == kDi && p.Hi % 16 == 0 && p.Hi <= kMaxHi &&
-                   (p.N == 0 || (reinterpret_cast<uintptr_t>(p.k_codes) % 16 == 0 && p.k_codes_stride % 16 == 0 &&
-                                 reinterpret_cast<uintptr_t>(p.k_scales) % 4 == 0 && p.k_scales_stride % 4 == 0));
-  if (!mma) {
+  const bool keys_aligned = p.N == 0 || (reinterpret_cast<uintptr_t>(p.k_codes) % 16 == 0 && p.k_codes_stride % 16 == 0 &&
+                                         reinterpret_cast<uintptr_t>(p.k_scales) % 4 == 0 && p.k_scales_stride % 4 == 0);
+  const char* why = "";  // why the fp32 kernel runs ("" if the tensor-core one can)
+  if (major < 8) why = "compute capability < 8.0";
+  else if (p.Di != kDi || p.Hi % 16 || p.Hi > kMaxHi) why = "the tensor-core indexer needs Di = 128, Hi % 16 == 0 and Hi <= 64";
+  else if (!keys_aligned) why = "key rows not aligned (codes: 16 bytes, scales: 4 bytes)";
+  if (why[0]) {
+    if (fallback) *fallback = why;
     const int64_t items = static_cast<int64_t>(p.T) * n_cols;
     const int64_t blocks = (items + 7) / 8;
     if (blocks > 0x7FFFFFFF) return launch_fail("indexer_scores: too much work for the generic kernel");

@@ -47,26 +47,57 @@ void dequant_tricks(KvFormat f, const uint8_t* codes, const uint8_t* scales, int
 namespace cuda {
 
 // ---- Sparse attention ------------------------------------------------------------------
-// Which kernel: kAttentionAuto = the mma.sync kernel where it applies, else the fp32 one;
-// kAttentionGeneric = the fp32 kernel; kAttentionWgmma = the wgmma kernel (sm_90a, the
-// mma.sync kernel's shape limits; an error where it cannot run, never a silent fallback).
-enum AttentionImpl : int { kAttentionAuto = 0, kAttentionGeneric = 1, kAttentionWgmma = 2 };
+// Kernels: kAttentionGeneric = fp32, any H, D % 32 == 0 up to 1024; kAttentionMma = mma.sync
+// (sm_80+, D in {64, 128, 512}, any H, W + K <= 4096, 16-byte aligned pool rows);
+// kAttentionWgmma = wgmma (sm_90a machine code, D = 512, H % 64 == 0, same key and
+// alignment limits). kAttentionAuto asks the plan to choose.
+enum AttentionKernel : int { kAttentionAuto = 0, kAttentionGeneric = 1, kAttentionMma = 2, kAttentionWgmma = 3 };
 
+// What a caller keeps for a batch shape (one per CUDA-graph bucket, say): decided once by
+// sparse_attention_plan, then passed to every sparse_attention call of that shape. Running
+// with a plan queries no device attribute, allocates nothing (the caller owns the
+// workspace) and never synchronizes, so it can be captured in a CUDA graph.
 struct AttentionPlan {
-  bool tensor_cores = false;   // a tensor-core kernel (H % 64 == 0, D == 512, W + K <= 4096)
-  bool wgmma = false;          // ... the wgmma one (else mma.sync)
-  int num_splits = 1;          // key splits per query (1: no combine step)
-  int64_t workspace_floats = 0;  // partial O and lse when num_splits > 1
+  int max_queries = 0, H = 0, D = 0;  // the shape planned for: calls take T <= max_queries
+  int kernel = kAttentionGeneric;     // never kAttentionAuto
+  int num_splits = 1;                 // key splits per query (1: no combine step)
+  int64_t workspace_floats = 0;       // partial O and lse of max_queries queries when num_splits > 1
+  // Why the plan runs the generic kernel although a tensor-core kernel was wanted ("" when
+  // it does not, or when the generic kernel was asked for): a static string.
+  const char* fallback = "";
 };
 
-// Validates p and chooses the kernel and the split count. requested_splits: 0 = automatic
-// (split the keys when T alone cannot fill the GPU), n > 0 = exactly n (clamped to the
-// tile count). impl: an AttentionImpl.
-int sparse_attention_plan(const attn::SparseAttentionParams& p, int requested_splits,
-                          int impl, int device, AttentionPlan* plan);
-// workspace: plan.workspace_floats floats of device memory (may be null when 0).
-int sparse_attention(const attn::SparseAttentionParams& p, const AttentionPlan& plan,
-                     float* workspace, void* stream);
+// What a plan needs to know of a device: SM count, compute capability major, and why the
+// wgmma kernel cannot run there ("" if it can; a static string).
+struct AttentionDevice {
+  int sms = 0, major = 0;
+  const char* wgmma_unavailable = "";
+};
+
+// The plan's decision alone, for a described device (pure host code: no CUDA call, so it
+// is tested without a GPU). sparse_attention_plan = the device's facts + this + setting the
+// chosen kernel's shared-memory attributes.
+int plan_for_device(int max_queries, int H, int D, int W, int K, int requested_kernel, int requested_splits,
+                    const AttentionDevice& dev, AttentionPlan* plan);
+
+// Chooses the kernel and split count for up to max_queries queries of H heads of dim D,
+// with at most W SWA and K global keys each. requested_kernel: an AttentionKernel (a named
+// tensor-core kernel that cannot take the shape is an error, never a fallback);
+// requested_splits: 0 = automatic (split the keys when the queries alone cannot fill the
+// GPU), n > 0 = exactly n (clamped to the tile count). Auto picks, from the first GPU
+// run's numbers (docs/kernels.md): wgmma where it applies and the batch has two CTAs or
+// more, mma.sync for the other tensor-core shapes, the generic kernel for the rest (with
+// `fallback` saying why). Sets the kernels' shared-memory attributes on `device`.
+int sparse_attention_plan(int max_queries, int H, int D, int W, int K, int requested_kernel, int requested_splits,
+                          int device, AttentionPlan* plan);
+// Runs p with a plan's kernel and split count on the current device (T at most the
+// planned max_queries: the workspace must hold workspace_floats >= T x splits x H x (D + 1)
+// floats when num_splits > 1; it may be null otherwise). What only the tensors tell (row
+// alignment, W + K) is checked here: when the planned tensor-core kernel cannot take them
+// the generic kernel runs instead, and *fallback (if not null) says why ("" otherwise). A
+// tensor-core kernel on a shape it has no code for is an error.
+int sparse_attention(const attn::SparseAttentionParams& p, int kernel, int num_splits, float* workspace,
+                     int64_t workspace_floats, void* stream, const char** fallback);
 
 // ---- Indexer scores ----------------------------------------------------------------------
 // scores[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j]) for j < N, MXFP4 q and k.
@@ -90,7 +121,9 @@ struct IndexerParams {
   float* scores = nullptr;
   int64_t scores_stride = 0;
 };
-int indexer_scores(const IndexerParams& p, void* stream);
+// *fallback (if not null): why the fp32 kernel ran instead of the tensor-core one ("" if
+// it did not).
+int indexer_scores(const IndexerParams& p, void* stream, const char** fallback = nullptr);
 
 // ---- Top-k selection -----------------------------------------------------------------------
 // For each row t: the k largest of scores[t, :visible[t]] (visible clamped to [0, N]), ties

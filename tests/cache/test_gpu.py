@@ -11,10 +11,9 @@ import torch
 from dsv41 import _C
 from dsv41.cache import CacheConfig, PrefixCache, io
 
-from ..conftest import requires_cuda
 from .helpers import B, LAYOUT, TINY, WEIGHTS_ID, chain_payloads, rand_tokens
 
-pytestmark = [pytest.mark.gpu, requires_cuda]
+pytestmark = pytest.mark.gpu
 
 
 def test_batched_block_copies_between_host_and_device():

@@ -10,7 +10,6 @@ import torch
 
 from dsv41.cache import CacheConfig, PrefixCache, TensorSnapshot, interop
 
-from ..conftest import requires_cuda
 from .helpers import B, TINY
 
 
@@ -74,7 +73,6 @@ def cp():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_pool_pages_are_shared_not_copied(cp):
     cache = _cache("cuda")
     m, payloads = _filled(cache)
@@ -97,7 +95,6 @@ def test_pool_pages_are_shared_not_copied(cp):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_snapshot_round_trip_shares_memory(cp):
     g = torch.Generator().manual_seed(1)
     vals = torch.randint(0, 256, (128, 64), dtype=torch.uint8, generator=g).cuda().view(torch.float8_e4m3fn)
@@ -115,7 +112,6 @@ def test_snapshot_round_trip_shares_memory(cp):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_kvikio_cufile_reads_into_a_pool_page(cp, tmp_path):
     kvikio = pytest.importorskip("kvikio")
     cache = _cache("cuda")

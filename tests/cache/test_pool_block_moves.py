@@ -8,7 +8,6 @@ import torch
 
 from dsv41.cache.global_pool import GlobalKVPool
 
-from ..conftest import requires_cuda
 from .helpers import LAYOUT
 
 
@@ -27,7 +26,7 @@ def _bytes_of(pool: GlobalKVPool, bid: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_pages_scatter_into_per_layer_arrays_and_gather_back(device):
     pool = GlobalKVPool(LAYOUT, 12 * LAYOUT.block_bytes, device=device)
     assert set(pool.arrays) == {(a.layer, a.kind) for a in LAYOUT.arrays}

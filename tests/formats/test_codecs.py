@@ -7,7 +7,6 @@ import torch
 from dsv41 import formats
 from dsv41.formats import reference as ref
 
-from ..conftest import requires_cuda
 from . import cases
 
 # name -> (quantize, dequantize, block, top element value, code dtype)
@@ -250,7 +249,7 @@ def test_empty_tensors():
         assert codes.shape[0] == 0 and dequant(codes, scales).shape == (0, block)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CODECS))
 @pytest.mark.parametrize("case", ["boundaries", "scale_boundaries", "random", "special",
                                   "nonfinite", "batched_3d"])
@@ -263,7 +262,7 @@ def test_cuda_kernel_matches_cpu_bits(name, case, gen):
     assert_same_floats(dequant(*got), dequant(*want))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CODECS))
 def test_cuda_nans_are_the_cpu_bits(name):
     dequant = CODECS[name][1]
@@ -273,7 +272,7 @@ def test_cuda_nans_are_the_cpu_bits(name):
     assert_same_floats(got, dequant(codes, scales))
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_cuda_into_and_odd_sizes(gen):
     for rows in (1, 3, 257, 4099):  # grids that end mid-warp and mid-block
         x = torch.randn(rows, 96, generator=gen)

@@ -13,7 +13,6 @@ from dsv41.config import ModelConfig
 from dsv41.formats import layout
 from dsv41.formats import reference as ref
 
-from ..conftest import requires_cuda
 from . import cases
 
 V4 = dict(head_dim=512, rope_dim=64)  # V4-Flash: 448 no-RoPE dims, 64 RoPE dims, 584 B
@@ -384,7 +383,7 @@ def test_ops_run_under_torch_compile(gen):
 
 # ---- CUDA (these run only where a GPU is present) --------------------------------------
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_kernel_matches_cpu_bits(case, gen):
     x = inputs(gen)[case].contiguous()
@@ -393,12 +392,12 @@ def test_cuda_kernel_matches_cpu_bits(case, gen):
     assert same_floats(dequant(got), dequant(quant(x)))
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_cuda_nans_are_the_cpu_bits():
     assert same_floats(dequant(nan_entries().cuda()), dequant(nan_entries()))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,rope_dim", SHAPES)
 def test_cuda_other_shapes_into_and_odd_sizes(head_dim, rope_dim, gen):
     lay = layout.fp8_v4_layout(head_dim, rope_dim)

@@ -10,7 +10,6 @@ from dsv41 import formats
 from dsv41.model import state
 from dsv41.model.state import RowStore
 
-from ..conftest import requires_cuda
 
 STORES = {"nvfp4": (lambda dev: RowStore(64, torch.uint8, 8, torch.float8_e4m3fn, dev)),
           "mxfp4": (lambda dev: RowStore(64, torch.uint8, 4, torch.uint8, dev))}
@@ -46,7 +45,7 @@ def test_cpu_writes_are_unchanged(monkeypatch, fmt, gen):
     assert new.rows()[0].shape[0] == 0
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_cuda_writes_go_through_the_scatter_kernel(monkeypatch, fmt, gen):
     calls = _spy(monkeypatch)

@@ -21,20 +21,20 @@ ISA shared by kernel and model: that needs the GPU run (docs/kernels.md).
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from .attention_emulator import (G, LOG2E, NVFP4_SHIFT, Q, _decode_fp8_bytes, _decode_nvfp4_bytes,
-                                 bf16_bits, bits_bf16)
+from .attention_cta import (LOG2E, G, KeyList, Pools, Q, Smem, bf16_bits, config, decode_fp8_bytes,
+                            decode_nvfp4_bytes, merge_splits, probabilities, row_lse_scale, scale_mask_rowmax,
+                            store_group, store_q, store_row_pair, update_row_max)
 
-# attention/config.h, kWg*
-BLOCK = 8192
-OFF_Q, OFF_K0, OFF_K1, OFF_P = 0, 65536, 131072, 196608
-K_BYTES = 65536
-STAGE_OFF = K_BYTES // 2        # kWgStageOff: raw values of a tile in the upper half of its K buffer
-SCALE_BYTES = 2048              # kWgScaleBytes
-OFF_SC0 = OFF_P + 8192          # kWgOffScales0: [2][SCALE_BYTES]
+C = config(512)  # the wgmma kernel's layout (D = 512 only): config.h's kWg* constants
+BLOCK = C["kWgBlockBytes"]
+OFF_Q, OFF_K0, OFF_K1, OFF_P = C["kWgOffQ"], C["kWgOffK0"], C["kWgOffK1"], C["kWgOffP"]
+K_BYTES = C["kKBytes"]
+STAGE_OFF = C["kWgStageOff"]      # raw values of a tile in the upper half of its K buffer
+SCALE_BYTES = C["kWgScaleBytes"]
+OFF_SC0 = C["kWgOffScales0"]      # [2][SCALE_BYTES]
 SMEM = OFF_SC0 + 2 * SCALE_BYTES
-PRODUCER_THREADS = 128
+PRODUCER_THREADS = C["kWgProducerThreads"]
 
 
 def wg_off(r, c):
@@ -43,28 +43,6 @@ def wg_off(r, c):
 
 def desc_sw128(addr, lbo, sbo):  # dsv41/cuda/wgmma.h
     return (((addr & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16) | (((sbo & 0x3FFFF) >> 4) << 32) | (1 << 62))
-
-
-class Smem:
-    def __init__(self):
-        self.b = np.zeros(SMEM, dtype=np.uint8)
-        self.guard = None  # (lo, hi): a store into [lo, hi) is a layout bug (the live stage)
-
-    def st16(self, addr, halves):
-        if self.guard is not None:
-            assert not (self.guard[0] - 16 < addr < self.guard[1]), f"store at {addr} hits the stage {self.guard}"
-        self.b[addr:addr + 16] = np.asarray(halves, dtype=np.uint16).view(np.uint8)
-
-    def ld(self, addr, n):
-        return self.b[addr:addr + n].copy()
-
-    def st32(self, addr, lo, hi):
-        self.b[addr:addr + 4] = np.array([lo, hi], dtype=np.uint16).view(np.uint8)
-
-    def bf16_at(self, addrs):
-        a = np.asarray(addrs)
-        h = self.b[a].astype(np.uint16) | (self.b[a + 1].astype(np.uint16) << 8)
-        return bits_bf16(h)
 
 
 # ---- the wgmma model (PTX ISA), shared by both shapes --------------------------------------
@@ -112,43 +90,17 @@ def wgmma(sm: Smem, acc: np.ndarray, desc_a: int, desc_b: int, n: int, tnsp_b: i
 
 # ---- the kernel -----------------------------------------------------------------------------
 
-def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sink, scale, t, S=1, split=0):
-    sm = Smem()
-    swa_v = swa_values.view(torch.uint8).numpy()
-    swa_s = swa_scales.view(torch.uint8).numpy()
-    kv_c = kv_codes.numpy()
-    kv_s = kv_scales.view(torch.uint8).numpy()
-    qt = q[t].numpy()
-    for h in range(64):
-        for g in range(64):
-            lo, hi = qt[h, 8 * g:8 * g + 4], qt[h, 8 * g + 4:8 * g + 8]
-            sm.st16(OFF_Q + wg_off(h, g), bf16_bits(np.stack([lo, hi], 1).reshape(-1)))
-    ns, ng = swa_v.shape[0], kv_c.shape[0]
-    sidx = [int(v) for v in swa_idx[t].tolist() if 0 <= v < ns]
-    kidx = [int(v) for v in kv_idx[t].tolist() if 0 <= v < ng]
-    s_idx = sidx + kidx
-    n_swa, n_kv = len(sidx), len(kidx)
-    swa_tiles = (n_swa + 63) // 64
-    n_tiles = swa_tiles + (n_kv + 63) // 64
-    tb, te = 0, n_tiles
-    if S > 1:
-        per = (n_tiles + S - 1) // S
-        tb = min(n_tiles, split * per)
-        te = min(n_tiles, tb + per)
-
-    def tile(i):
-        if i < swa_tiles:
-            return 64 * i, min(64, n_swa - 64 * i), False
-        j = i - swa_tiles
-        return n_swa + 64 * j, min(64, n_kv - 64 * j), True
-
-    def store_group(sK, r, group, vals):
-        perm = np.empty(8, np.float32)
-        perm[0::2], perm[1::2] = vals[:4], vals[4:]
-        sm.st16(sK + wg_off(r, group), bf16_bits(perm))
+def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sink, scale, t, S=1, split=0, h0=0):
+    T, H, D = q.shape
+    assert D == 512 and H % 64 == 0, "the wgmma kernel's shapes (its plan refuses others)"
+    sm = Smem(SMEM)
+    pools = Pools(swa_values, swa_scales, kv_codes, kv_scales)
+    store_q(sm, q[t, h0:h0 + 64].numpy(), 64, 512, lambda h, g: OFF_Q + wg_off(h, g))
+    kl = KeyList(swa_idx[t], kv_idx[t], pools.swa_v.shape[0], pools.kv_c.shape[0], S, split)
+    s_idx, tb, te = kl.s_idx, kl.tb, kl.te
 
     def stage_tile(j, stage, sSc):  # stage_tile: the cp.async pieces of every producer thread
-        first, rows, kv = tile(j)
+        first, rows, kv = kl.tile(j)
         per_row = 18 if kv else 33
         for ptid in range(PRODUCER_THREADS):
             for u in range(ptid, 64 * per_row, PRODUCER_THREADS):
@@ -157,14 +109,14 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
                 row = s_idx[first + r] if ok else 0
                 if not kv:
                     if c < 32:
-                        src, dst = swa_v[row, 16 * c:16 * c + 16], stage + r * 512 + ((c ^ (r & 7)) << 4)
+                        src, dst = pools.swa_v[row, 16 * c:16 * c + 16], stage + r * 512 + ((c ^ (r & 7)) << 4)
                     else:
-                        src, dst = swa_s[row, 0:16], sSc + r * 16
+                        src, dst = pools.swa_s[row, 0:16], sSc + r * 16
                 else:
                     if c < 16:
-                        src, dst = kv_c[row, 16 * c:16 * c + 16], stage + r * 256 + ((c ^ (r & 7)) << 4)
+                        src, dst = pools.kv_c[row, 16 * c:16 * c + 16], stage + r * 256 + ((c ^ (r & 7)) << 4)
                     else:
-                        src, dst = kv_s[row, 16 * (c - 16):16 * (c - 16) + 16], sSc + r * 32 + 16 * (c - 16)
+                        src, dst = pools.kv_s[row, 16 * (c - 16):16 * (c - 16) + 16], sSc + r * 32 + 16 * (c - 16)
                 sm.b[dst:dst + 16] = src if ok else 0  # src-size 0: zero fill
 
     def read_share(stage, sSc, kv, r, qq):
@@ -181,9 +133,9 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
                 for jc in range(2):
                     c = 8 * qq + 2 * jb + jc
                     j = 2 * jb + jc
-                    vals = _decode_fp8_bytes(v[16 * j:16 * j + 16], int(sc[jb]))
-                    store_group(sK, r, 2 * c, vals[:8])
-                    store_group(sK, r, 2 * c + 1, vals[8:])
+                    vals = decode_fp8_bytes(v[16 * j:16 * j + 16], int(sc[jb]))
+                    store_group(sm, sK + wg_off(r, 2 * c), vals[:8])
+                    store_group(sm, sK + wg_off(r, 2 * c + 1), vals[8:])
         else:
             for jc in range(4):
                 c = 4 * qq + jc
@@ -191,10 +143,10 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
                 f0 = int(sc[4 * (jc >= 2) + 2 * (jc & 1)])
                 f1 = int(sc[4 * (jc >= 2) + 2 * (jc & 1) + 1])
                 cb = v[16 * jc:16 * jc + 16]
-                v0 = _decode_nvfp4_bytes(cb[:8], f0) * 2.0 ** -NVFP4_SHIFT
-                v1 = _decode_nvfp4_bytes(cb[8:], f1) * 2.0 ** -NVFP4_SHIFT
+                v0 = decode_nvfp4_bytes(cb[:8], f0)
+                v1 = decode_nvfp4_bytes(cb[8:], f1)
                 for x, vals in enumerate((v0[:8], v0[8:], v1[:8], v1[8:])):
-                    store_group(sK, r, 4 * c + x, vals)
+                    store_group(sm, sK + wg_off(r, 4 * c + x), vals)
 
     def produce(j):  # the producer warpgroup's iteration j: stage, then decode in two phases
         b = (j - tb) & 1
@@ -202,7 +154,7 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
         stage = sK + STAGE_OFF
         sSc = OFF_SC0 + b * SCALE_BYTES
         stage_tile(j, stage, sSc)
-        kv = tile(j)[2]
+        kv = kl.tile(j)[2]
         sm.guard = (stage, sK + K_BYTES)  # phase 1 must write below the stage only
         for ptid in range(PRODUCER_THREADS):
             r_dq, h_dq = ptid & 63, ptid >> 6
@@ -228,7 +180,7 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
     for i in range(tb, te):
         b = (i - tb) & 1
         sK = OFF_K0 + b * K_BYTES
-        _, rows, kv = tile(i)
+        _, rows, kv = kl.tile(i)
         s_acc = np.zeros((2, 4, 32, 16), np.float32)
         for wg in range(2):
             skey0 = 32 * wg
@@ -238,20 +190,10 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
                       desc_sw128(sK + skey0 * 128 + kofs, 16, 1024), 32, 0, 1)
         c_tile = np.float32(scale * LOG2E * (256.0 if kv else 1.0))
         pshift = np.float32(8.0 if kv else 0.0)
-        mx_all = np.full((2, 4, 32, 2), -np.inf, np.float32)
+        mx_all = np.zeros((2, 4, 32, 2), np.float32)
         for wg in range(2):
-            skey0 = 32 * wg
             for wl in range(4):
-                sa, mx = s_acc[wg, wl], mx_all[wg, wl]
-                for j in range(4):
-                    for e in range(2):
-                        valid = skey0 + 8 * j + 2 * Q + e < rows
-                        sa[:, 4 * j + e] = np.where(valid, sa[:, 4 * j + e] * c_tile, -np.inf)
-                        sa[:, 4 * j + 2 + e] = np.where(valid, sa[:, 4 * j + 2 + e] * c_tile, -np.inf)
-                        mx[:, 0] = np.fmax(mx[:, 0], sa[:, 4 * j + e])
-                        mx[:, 1] = np.fmax(mx[:, 1], sa[:, 4 * j + 2 + e])
-                for rr in range(2):
-                    mx[:, rr] = mx[:, rr].reshape(8, 4).max(1).repeat(4)
+                mx_all[wg, wl] = mx = scale_mask_rowmax(s_acc[wg, wl], 32 * wg, rows, c_tile)
                 for lane in range(0, 32, 4):
                     s_red[wg * 64 + 16 * wl + lane // 4] = mx[lane, 0]
                     s_red[wg * 64 + 16 * wl + lane // 4 + 8] = mx[lane, 1]
@@ -260,29 +202,16 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
             skey0 = 32 * wg
             for wl in range(4):
                 srow0 = 16 * wl
-                sa, mx = s_acc[wg, wl], mx_all[wg, wl]
-                alpha = np.zeros((32, 2), np.float32)
-                m_use = np.zeros((32, 2), np.float32)
-                for rr in range(2):
-                    other = s_red[(wg ^ 1) * 64 + srow0 + G + 8 * rr]
-                    m_new = np.fmax(m_run[wg, wl, :, rr], np.fmax(mx[:, rr], other))
-                    m_use[:, rr] = np.where(m_new == -np.inf, 0, m_new)
-                    alpha[:, rr] = np.exp2(m_run[wg, wl, :, rr] - m_use[:, rr])
-                    m_run[wg, wl, :, rr] = m_new
-                lsum = np.zeros((32, 2), np.float32)
+                other = np.stack([s_red[(wg ^ 1) * 64 + srow0 + G], s_red[(wg ^ 1) * 64 + srow0 + G + 8]], 1)
+                alpha, m_use = update_row_max(m_run[wg, wl], mx_all[wg, wl], other)
+                p = probabilities(s_acc[wg, wl], m_use, pshift)
+                lsum = np.stack([p[:, [0, 1, 4, 5, 8, 9, 12, 13]].sum(1), p[:, [2, 3, 6, 7, 10, 11, 14, 15]].sum(1)], 1)
                 for j in range(4):
-                    p00 = np.exp2(sa[:, 4 * j + 0] - (m_use[:, 0] - pshift))
-                    p01 = np.exp2(sa[:, 4 * j + 1] - (m_use[:, 0] - pshift))
-                    p10 = np.exp2(sa[:, 4 * j + 2] - (m_use[:, 1] - pshift))
-                    p11 = np.exp2(sa[:, 4 * j + 3] - (m_use[:, 1] - pshift))
-                    lsum[:, 0] += p00 + p01
-                    lsum[:, 1] += p10 + p11
                     chunk = (skey0 >> 3) + j
                     for lane in range(32):
                         r0 = srow0 + G[lane]
-                        sm.st32(OFF_P + wg_off(r0, chunk) + 4 * Q[lane], *bf16_bits(np.array([p00[lane], p01[lane]])))
-                        sm.st32(OFF_P + wg_off(r0 + 8, chunk) + 4 * Q[lane],
-                                *bf16_bits(np.array([p10[lane], p11[lane]])))
+                        sm.st32(OFF_P + wg_off(r0, chunk) + 4 * Q[lane], *bf16_bits(p[lane, 4 * j:4 * j + 2]))
+                        sm.st32(OFF_P + wg_off(r0 + 8, chunk) + 4 * Q[lane], *bf16_bits(p[lane, 4 * j + 2:4 * j + 4]))
                 lscale = np.float32(1 / 256 if kv else 1)
                 l_run[wg, wl] = l_run[wg, wl] * alpha + lsum * lscale
                 o_acc[wg, wl, :, 0::4] *= alpha[:, :1]
@@ -310,40 +239,21 @@ def run_cta(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sin
         for gg in range(8):
             for rr in range(2):
                 row = 16 * wl + gg + 8 * rr
-                lt = s_l[row] + s_l[64 + row]
-                m = m_run[0, wl, 4 * gg, rr]
-                if lt == 0:
-                    lse, sc = -np.inf, 0.0
-                elif np.isnan(lt):
-                    lse, sc = (np.nan if S > 1 else -np.inf), np.nan
-                else:
-                    lse = (m + np.log2(lt)) * np.log(2.0)
-                    sc = 1.0 / lt
-                    if S == 1:
-                        sc *= 1.0 / (1.0 + np.exp(float(sink[row]) - lse))
-                scale_row[row], lse_row[row] = sc, lse
+                lse_row[row], scale_row[row] = row_lse_scale(s_l[row] + s_l[64 + row], m_run[0, wl, 4 * gg, rr],
+                                                             sink[h0 + row], S > 1)
     out = np.full((64, 512), np.nan, np.float32)
     for wg in range(2):
         for wl in range(4):
             for rr in range(2):
-                sc = scale_row[16 * wl + G + 8 * rr]
+                rows = 16 * wl + G + 8 * rr
+                sc = scale_row[rows]
                 for j in range(32):
                     x0 = (o_acc[wg, wl, :, 4 * j + 2 * rr] * sc).astype(np.float32)
                     x1 = (o_acc[wg, wl, :, 4 * j + 2 * rr + 1] * sc).astype(np.float32)
-                    for lane in range(32):
-                        qd, base = Q[lane], lane & ~3
-                        src0, src1, hi = (2 * qd) & 3, (2 * qd + 1) & 3, qd >> 1
-                        row = 16 * wl + G[lane] + 8 * rr
-                        dim = 8 * (32 * wg + j) + 2 * qd
-                        out[row, dim] = (x1 if hi else x0)[base + src0]
-                        out[row, dim + 1] = (x1 if hi else x0)[base + src1]
+                    store_row_pair(out, rows, 32 * wg + j, x0, x1)
     return out, lse_row
 
 
 def run(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sink, scale, S=1):
-    """All queries; splits merged as attention_combine.cu does (attention_emulator.run's merge)."""
-    from . import attention_emulator
-
-    return attention_emulator.merge_splits(run_cta, q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales,
-                                           kv_idx, sink, scale, S)
-
+    """All queries; splits merged as attention_combine.cu does."""
+    return merge_splits(run_cta, q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_idx, sink, scale, S)

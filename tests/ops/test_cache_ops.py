@@ -8,7 +8,6 @@ import torch
 from dsv41 import formats
 from dsv41.ops import cache_ops
 
-from ..conftest import requires_cuda
 
 _SPEC = {  # fmt -> (values per code byte, block, code dtype, scale dtype)
     "nvfp4": (2, 16, torch.uint8, torch.float8_e4m3fn),
@@ -53,7 +52,7 @@ def test_quantize_scatter_cpu(fmt, gen):
     _scatter_case(fmt, gen, "cpu")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", list(_SPEC))
 def test_quantize_scatter_cuda(fmt, gen):
     _scatter_case(fmt, gen, "cuda")
@@ -86,7 +85,7 @@ def test_copy_blocks_cpu(gen):
     cache_ops.copy_blocks(src, [], dst, [])  # no pairs: nothing happens
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("engine", ["kernel", "copy_engine", "auto"])
 @pytest.mark.parametrize("block", [4104, 57344, 100, 7])  # 16-byte, 4-byte and byte paths
 def test_copy_blocks_cuda_bit_exact(block, engine, gen):
@@ -115,7 +114,7 @@ def test_copy_blocks_cuda_bit_exact(block, engine, gen):
     assert torch.equal(other[10:12], dev[8:10])
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_copy_blocks_rejects_pageable_host():
     dev = torch.zeros(2, 64, dtype=torch.uint8, device="cuda")
     host = torch.zeros(2, 64, dtype=torch.uint8)  # not pinned

@@ -12,9 +12,9 @@ import torch
 
 from dsv41 import formats
 
-from .kernel_cases import DEVICE, distinct_scores, needs_device, reference, tied_scores
+from .kernel_cases import DEVICE, distinct_scores, reference, tied_scores
 
-pytestmark = needs_device
+pytestmark = pytest.mark.gpu(cpu_dry_run=True)
 
 
 def _dev(*ts):

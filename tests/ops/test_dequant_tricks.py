@@ -10,7 +10,6 @@ import torch
 from dsv41 import formats
 from dsv41.ops import cache_ops
 
-from ..conftest import requires_cuda
 
 
 def _all_codes_fp4(rows: int, d: int) -> torch.Tensor:
@@ -78,7 +77,7 @@ def test_fast_decoders_on_quantized_data(fmt, gen):
     assert torch.equal(got, ref)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8_swa"])
 def test_fast_decoders_match_codecs_cuda(fmt):
     codes, scales, ref = _cases(fmt)

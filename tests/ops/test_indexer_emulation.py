@@ -9,7 +9,8 @@ import torch
 
 from dsv41 import formats
 
-from .attention_emulator import G, LANES, Q, Smem, bf16_bits, bits_bf16, ldmatrix_x4, mma
+from .attention_cta import LANES, G, Q, Smem, bf16_bits, bits_bf16
+from .attention_emulator import ldmatrix_x4, mma
 
 
 def _pairs(vals8):  # 8 natural-order values -> 4 (i, i+4) bf16 pairs as uint32
@@ -34,7 +35,7 @@ def emulate(q_codes, q_scales, w, k_codes, k_scales, key0=0, idx=None):
     kv = formats.dequantize_mxfp4(k_codes, k_scales).numpy()
     N = kv.shape[0]
     n_cols = idx.shape[1] if idx is not None else N
-    sm = Smem()
+    sm = Smem(1 << 18)
     rows = T * Hi
     codes = q_codes.reshape(rows, 64)
     scales = q_scales.view(torch.uint8).reshape(rows, 4)

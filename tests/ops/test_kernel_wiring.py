@@ -1,5 +1,7 @@
-"""The CUDA kernels are wired to the ops by name (csrc/bindings/kernels.cpp): checked
-without a GPU through the dispatcher's registration table."""
+"""The CUDA kernels are wired to the ops by name: the attention, indexer and top-k ops by
+their Python CUDA kernels (ops/attention.py, ops/selection.py: register_kernel("cuda")),
+the cache ops by csrc/bindings/kernels.cpp. Checked without a GPU through the dispatcher's
+registration table."""
 from __future__ import annotations
 
 import pytest
@@ -15,8 +17,8 @@ CPU_OPS = ["copy_blocks", "quantize_nvfp4_scatter", "quantize_mxfp4_scatter", "q
 
 
 def test_every_op_has_a_schema():
-    # The attention/indexer schemas come from python/dsv41/ops/attention.py, the cache ops'
-    # from csrc/bindings/kernels.cpp: the CUDA kernels need both to be callable.
+    # The attention/indexer/top-k schemas come from python/dsv41/ops/{attention,selection}.py,
+    # the cache ops' from csrc/bindings/kernels.cpp.
     for name in CUDA_OPS:
         torch._C._dispatch_find_schema_or_throw(f"dsv41::{name}", "")
 

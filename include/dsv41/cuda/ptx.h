@@ -44,6 +44,16 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint3
                : "memory");
 }
 
+// 4- or 8-byte global -> shared copy (cache at all levels: .cg takes 16 bytes only), for
+// scale rows shorter than 16 bytes; dst and src aligned to the size; src_bytes == 0 fills
+// with zeros.
+template <int kBytes>
+__device__ __forceinline__ void cp_async_ca(uint32_t dst, const void* src, uint32_t src_bytes) {
+  static_assert(kBytes == 4 || kBytes == 8, "cp.async.ca sizes used here: 4, 8");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(src), "n"(kBytes), "r"(src_bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>
@@ -61,6 +71,10 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t
                                              uint32_t d) {
   asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
                : "memory");
+}
+
+__device__ __forceinline__ void st_shared_u16(uint32_t addr, unsigned short a) {
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(a) : "memory");
 }
 
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t a) {

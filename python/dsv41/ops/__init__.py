@@ -1,34 +1,37 @@
 """dsv41's torch ops (namespace `torch.ops.dsv41`).
 
-Loading this package loads the compiled extension (which registers the CPU and CUDA
-kernels of the KV-format codecs, and the CUDA kernels of the attention, indexer and top-k
-ops: csrc/bindings/kernels.cpp, docs/kernels.md), the attention and indexer ops
-(`attention.py`, torch custom ops whose CPU implementation is the torch reference in
-`reference.py`; CUDA tensors run the kernels), the cache-write and block-copy ops
-(`cache_ops.py`), and the fake kernels that let all ops run under torch.compile /
-FakeTensor. The format ops are wrapped with argument checks in `dsv41.formats`; the
-attention and indexer ops are exported here:
+Where each op lives (docs/kernels.md has the table):
+- the attention ops (`attention.py`) and the indexer and top-k ops (`selection.py`): schema,
+  CPU reference (`reference.py`), CUDA kernels (after the checks of `_checks.py`, their only
+  copy) and fake kernel, each in its module; the CUDA kernels are `dsv41._C.kernels`;
+- the format codecs (csrc/bindings/torch_ops.cpp, fakes in `_fake.py`, wrapped with checks
+  in `dsv41.formats`) and the cache-write and block-copy ops (csrc/bindings/kernels.cpp,
+  Python API in `cache_ops.py`).
 
+    plan = attention_plan(num_queries, num_heads, head_dim, swa_width=W, topk=K, device=dev)
     out, lse = sparse_attention(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales,
-                                kv_idx, sink, softmax_scale)
+                                kv_idx, sink, softmax_scale, plan=plan)   # plan optional
     out, lse = dense_attention(..., kv_visible, sink, softmax_scale)   # the dense baseline
     scores = indexer_scores(q_codes, q_scales, weights, k_codes, k_scales)       # [T, N]
     scores = indexer_scores_at(q_codes, q_scales, weights, k_codes, k_scales, idx)  # [T, C]
     idx = topk_visible(scores, visible, k)                      # [T, k] int32, -1 padded
     pos = candidate_blocks(scores, visible, block, n_blocks)    # [T, n_blocks*block] int32
+    fallbacks.total(), fallbacks.counts()    # CUDA calls that ran a generic kernel, and why
 """
 from __future__ import annotations
 
 import torch
 
-from .._ext import _C  # noqa: F401  (registers torch.ops.dsv41.* codecs)
-from . import attention, reference  # noqa: F401  (registers the attention/indexer ops)
+from .._ext import _C  # noqa: F401  (registers torch.ops.dsv41.* codecs and cache ops)
 from . import _fake  # noqa: F401
-from .attention import (candidate_blocks, dense_attention, indexer_scores, indexer_scores_at,
-                        sparse_attention, topk_visible)
+from . import attention, reference, selection  # noqa: F401  (define the attention/selection ops)
+from .attention import AttentionPlan, attention_plan, dense_attention, sparse_attention
+from .fallbacks import fallbacks
+from .selection import candidate_blocks, indexer_scores, indexer_scores_at, topk_visible
 from . import cache_ops  # noqa: F401  (cache writes, block copies: kernels in csrc/)
 
 ops = torch.ops.dsv41
 
 __all__ = ["ops", "reference", "sparse_attention", "dense_attention", "indexer_scores",
-           "indexer_scores_at", "topk_visible", "candidate_blocks"]
+           "indexer_scores_at", "topk_visible", "candidate_blocks", "AttentionPlan",
+           "attention_plan", "fallbacks"]

@@ -1,5 +1,7 @@
-"""Argument checks of the attention and indexer ops, shared by the real and the fake kernels
-so that a bad call fails the same way eagerly and under torch.compile."""
+"""The argument checks of the attention, indexer and top-k ops: their only copy. The CPU,
+CUDA and fake kernels of each op (ops/attention.py, ops/selection.py) call them first, so a
+bad call fails the same way on every device, eagerly and under torch.compile, and the
+C++ side (csrc/bindings/attention.cpp) repeats none of them."""
 from __future__ import annotations
 
 import torch
@@ -62,8 +64,21 @@ def check_attention(op, q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales,
                  kv_codes=kv_codes, kv_scales=kv_scales, kv_index=kv_sel, sink=sink)
 
 
+def check_plan_args(op, q, workspace, kernel: int, splits: int, kernels: tuple):
+    """The plan's arguments of sparse_attention (ops/attention.py: attention_plan)."""
+    if kernel not in kernels:
+        _fail(op, f"kernel must be one of {kernels}, got {kernel}")
+    if splits < 0:
+        _fail(op, f"splits must be >= 0, got {splits}")
+    if workspace is not None:
+        _tensor(op, "workspace", workspace, (torch.float32,), 1)
+        _same_device(op, q=q, workspace=workspace)
+
+
 def check_indices(op, name, idx, n_rows):
-    """Indices must be -1 (empty) or a valid row (eager only: reads the values)."""
+    """Indices must be -1 (empty) or a valid row. Reads the values (eager only), so the
+    reference implementations call it and the CUDA kernels' do not: reading would
+    synchronize, and the kernels treat an index outside [0, rows) as empty."""
     if idx.numel() and not torch.compiler.is_compiling():
         lo, hi = int(idx.min()), int(idx.max())
         if lo < -1 or hi >= n_rows:

@@ -1,4 +1,6 @@
-"""Fake (meta) kernels: output shapes and dtypes only, for torch.compile and FakeTensor."""
+"""Fake (meta) kernels of the format ops defined in C++ (csrc/bindings/torch_ops.cpp): output
+shapes and dtypes only, for torch.compile and FakeTensor. (The attention, indexer and top-k
+ops keep their fake kernels beside their definitions: attention.py, selection.py.)"""
 from __future__ import annotations
 
 import torch
@@ -51,47 +53,3 @@ def _register_fp8_v4() -> None:
 
 
 _register_fp8_v4()
-
-
-# ---- attention and indexer ops (defined in attention.py) ---------------------------------
-
-def _register_attention_fakes() -> None:
-    from . import _checks
-
-    def attention_fake(dense):
-        def fake(q, swa_values, swa_scales, swa_idx, kv_codes, kv_scales, kv_sel, sink,
-                 softmax_scale):
-            _checks.check_attention("dense_attention" if dense else "sparse_attention", q,
-                                    swa_values, swa_scales, swa_idx, kv_codes, kv_scales,
-                                    kv_sel, sink, dense=dense)
-            T, H, D = q.shape
-            # out in q's dtype (float32 or bfloat16), lse always float32 (reference.py)
-            return q.new_empty((T, H, D)), q.new_empty((T, H), dtype=torch.float32)
-        return fake
-
-    def scores_fake(q_codes, q_scales, weights, k_codes, k_scales):
-        _checks.check_indexer("indexer_scores", q_codes, q_scales, weights, k_codes, k_scales)
-        return weights.new_empty((weights.shape[0], k_codes.shape[0]))
-
-    def scores_at_fake(q_codes, q_scales, weights, k_codes, k_scales, idx):
-        _checks.check_indexer("indexer_scores_at", q_codes, q_scales, weights, k_codes,
-                              k_scales, idx)
-        return weights.new_empty(tuple(idx.shape))
-
-    def topk_fake(scores, visible, k):
-        _checks.check_selection("topk_visible", scores, visible, k)
-        return scores.new_empty((scores.shape[0], k), dtype=torch.int32)
-
-    def candidates_fake(scores, visible, block, n_blocks):
-        _checks.check_selection("candidate_blocks", scores, visible, n_blocks, name="n_blocks")
-        return scores.new_empty((scores.shape[0], n_blocks * block), dtype=torch.int32)
-
-    torch.library.register_fake("dsv41::sparse_attention")(attention_fake(False))
-    torch.library.register_fake("dsv41::dense_attention")(attention_fake(True))
-    torch.library.register_fake("dsv41::indexer_scores")(scores_fake)
-    torch.library.register_fake("dsv41::indexer_scores_at")(scores_at_fake)
-    torch.library.register_fake("dsv41::topk_visible")(topk_fake)
-    torch.library.register_fake("dsv41::candidate_blocks")(candidates_fake)
-
-
-_register_attention_fakes()
