@@ -1,6 +1,6 @@
 """Shared pieces of the kernel benchmarks (bench_attention.py, bench_topk.py, bench_copy.py):
-timing with CUDA events, the H200 ceilings of SPEC section 7 next to ceilings measured in
-the same run, the JSON report, and a clean exit where there is no GPU."""
+timing with CUDA events, the H200 ceilings of docs/design.md#hardware next to ceilings
+measured in the same run, the JSON report, and a clean exit where there is no GPU."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,8 @@ from _meta import git_commit
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 
-# SPEC section 7 (datasheet, and "measured" as the spec records it).
+# docs/design.md#hardware: datasheet figures, and the device-copy and matmul figures it
+# gives as typical measurements (the keys keep their old "spec" names: reports use them).
 H200 = {
     "hbm_TBps_datasheet": 4.8,
     "hbm_copy_TBps_spec_measured": 4.3,

@@ -3,7 +3,8 @@
 1. Prefill throughput with decoder replay on vs off: a batch of B prompts of each length in
    one extend_batch call, decoder layers on every token (off) or on the last W (on). Beside
    the measured ratio, the ratio of the architecture's FLOP counts (`prefill_flops`) for the
-   same shapes. SGLang's published figure (SPEC section 5): 1.56x on 8xH200, batch 8, 8K.
+   same shapes. SGLang's figure, whose public source is not located: 1.56x on 8xH200,
+   batch 8, 8K (docs/design.md#replay-in-other-runtimes).
 2. Time to first token through the engine and the cache: cold vs global hit with encoder
    replay (SWA snapshot expired) vs both hit (snapshot present), across prefix lengths, a
    short uncached suffix each time.

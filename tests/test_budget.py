@@ -1,4 +1,4 @@
-"""KV budget: every figure re-derived in the test from the SPEC section 3 format
+"""KV budget: every figure re-derived in the test from the docs/design.md#formats format
 definitions (bits per value plus one scale per block), not from the code under test."""
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ FLASH = ModelConfig.preset("v41-flash")
 V4 = ModelConfig.preset("v4-flash")
 
 
-# SPEC section 3, from the format descriptions.
-def spec_nvfp4(dim: int) -> int:  # 4-bit E2M1 codes + one 1-byte E4M3 scale per 16
+# docs/design.md#formats, from the format descriptions.
+def doc_nvfp4(dim: int) -> int:  # 4-bit E2M1 codes + one 1-byte E4M3 scale per 16
     return dim * 4 // 8 + dim // 16
 
 
-def spec_mxfp4(dim: int) -> int:  # 4-bit E2M1 codes + one 1-byte UE8M0 scale per 32
+def doc_mxfp4(dim: int) -> int:  # 4-bit E2M1 codes + one 1-byte UE8M0 scale per 32
     return dim * 4 // 8 + dim // 32
 
 
-def spec_fp8_swa(dim: int) -> int:  # 1-byte E4M3 values + one UE8M0 scale per 32
+def doc_fp8_swa(dim: int) -> int:  # 1-byte E4M3 values + one UE8M0 scale per 32
     return dim + dim // 32
 
 
@@ -32,15 +32,15 @@ V4_ENTRY = 448 + 64 * 2 + 7 + 1  # e4m3 no-RoPE + bf16 RoPE + 7 ue8m0 scales + 1
 
 
 def test_format_sizes_match_spec():
-    assert spec_nvfp4(512) == layout.nvfp4_bytes(512) == 288
-    assert spec_mxfp4(128) == layout.mxfp4_bytes(128) == 68
-    assert spec_fp8_swa(512) == layout.fp8_swa_bytes(512) == 528
+    assert doc_nvfp4(512) == layout.nvfp4_bytes(512) == 288
+    assert doc_mxfp4(128) == layout.mxfp4_bytes(128) == 68
+    assert doc_fp8_swa(512) == layout.fp8_swa_bytes(512) == 528
     assert V4_ENTRY == layout.fp8_v4_main_bytes(448, 64) == 584
 
 
 def test_flash_global_is_890():
     b = kv_budget(FLASH)
-    main, key = spec_nvfp4(512), spec_mxfp4(128)
+    main, key = doc_nvfp4(512), doc_mxfp4(128)
     assert b.global_bytes_per_token == 3 * main / 2 + main + 3 * key / 2 + key == 890
     assert b.main_bytes_per_token == 3 * main / 2 + main
     assert b.indexer_bytes_per_token == 3 * key / 2 + key
@@ -54,8 +54,8 @@ def test_flash_per_layer_rows():
     for r in b.per_layer:
         ratio = [0, 0, *[2] * 18, *[1] * 20][r.layer]
         assert r.compress_ratio == ratio and r.mode == "full"
-        assert r.main_bytes_per_token == spec_nvfp4(512) / ratio
-        assert r.index_bytes_per_token == spec_mxfp4(128) / ratio
+        assert r.main_bytes_per_token == doc_nvfp4(512) / ratio
+        assert r.index_bytes_per_token == doc_mxfp4(128) / ratio
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -76,16 +76,16 @@ def test_ledgers_are_sums_of_their_parts(name):
 
 def test_flash_swa():
     b = kv_budget(FLASH)
-    assert b.swa_bytes_per_token_per_layer == spec_fp8_swa(512) == 528
+    assert b.swa_bytes_per_token_per_layer == doc_fp8_swa(512) == 528
     assert b.swa_bytes_per_sequence == 128 * 40 * 528
 
 
 def test_budget_is_derived_from_the_config():
     # Halving head_dim halves the main entry; nothing is a per-token constant.
     b = kv_budget(FLASH.replace(head_dim=256))
-    main, key = spec_nvfp4(256), spec_mxfp4(128)
+    main, key = doc_nvfp4(256), doc_mxfp4(128)
     assert b.global_bytes_per_token == 3 * main / 2 + main + 3 * key / 2 + key
-    assert b.swa_bytes_per_token_per_layer == spec_fp8_swa(256)
+    assert b.swa_bytes_per_token_per_layer == doc_fp8_swa(256)
 
 
 def test_v4_flash_global_and_persistent():

@@ -22,7 +22,8 @@ def test_info_json_has_the_build_facts():
 
 def test_kv_bytes_json_for_v41_flash():
     out = json.loads(dsv41("kv-bytes", "--preset", "v41-flash", "--json").stdout)
-    # SPEC section 3, recomputed here from the format sizes: 3 ratio-2 + 1 ratio-1 owners.
+    # docs/design.md#bytes-per-token, recomputed here from the format sizes: 3 ratio-2 +
+    # 1 ratio-1 owners.
     main, idx = layout.nvfp4_bytes(512), layout.mxfp4_bytes(128)
     assert out["global_bytes_per_token"] == 3 * main / 2 + main + 3 * idx / 2 + idx == 890
     assert out["persistent_bytes_per_token"] == 890

@@ -1,5 +1,5 @@
-"""ModelConfig: presets, the layer plan against SPEC section 2, both JSON spellings, and
-every validation rule."""
+"""ModelConfig: presets, the layer plan against docs/design.md#layer-modes, both JSON
+spellings, and every validation rule."""
 from __future__ import annotations
 
 import json
@@ -10,25 +10,25 @@ from dsv41.config import ConfigError, LayerPlan, ModelConfig, PRESETS, preset_na
 
 FLASH = ModelConfig.preset("v41-flash")
 
-# SPEC section 2, written out independently of the code under test.
-SPEC_RATIOS = [0, 0] + [2] * 18 + [1] * 20
-SPEC_FULL = {2, 8, 14, 20}
-SPEC_REINDEX = {24, 28, 32, 36}
-SPEC_SWA = {0, 1}
+# docs/design.md#layer-modes, written out independently of the code under test.
+FLASH_RATIOS = [0, 0] + [2] * 18 + [1] * 20
+FLASH_FULL = {2, 8, 14, 20}
+FLASH_REINDEX = {24, 28, 32, 36}
+FLASH_SWA = {0, 1}
 DRAFT_RATIOS = [0, 0, 0]  # the 3 draft layers' entries; ignored by the loader
 
 
-def spec_kv_source(layer: int) -> int | None:
-    if layer in SPEC_SWA:
+def expected_kv_source(layer: int) -> int | None:
+    if layer in FLASH_SWA:
         return None
-    return max(s for s in SPEC_FULL if s <= layer and SPEC_RATIOS[s] == SPEC_RATIOS[layer])
+    return max(s for s in FLASH_FULL if s <= layer and FLASH_RATIOS[s] == FLASH_RATIOS[layer])
 
 
-def spec_index_source(layer: int) -> int | None:
-    if layer in SPEC_SWA:
+def expected_index_source(layer: int) -> int | None:
+    if layer in FLASH_SWA:
         return None
-    sources = SPEC_FULL | SPEC_REINDEX
-    return max(s for s in sources if s <= layer and SPEC_RATIOS[s] == SPEC_RATIOS[layer])
+    sources = FLASH_FULL | FLASH_REINDEX
+    return max(s for s in sources if s <= layer and FLASH_RATIOS[s] == FLASH_RATIOS[layer])
 
 
 def hf_flash_dict() -> dict:
@@ -68,7 +68,7 @@ def hf_flash_dict() -> dict:
             "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0},
             "sliding_window": 128,
-            "compress_ratios": SPEC_RATIOS + DRAFT_RATIOS,
+            "compress_ratios": FLASH_RATIOS + DRAFT_RATIOS,
             "kv_source_layer_ids": [2, 8, 14, 20],
             "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
             "index_n_heads": 32,
@@ -114,7 +114,7 @@ def flat_flash_dict() -> dict:
         "beta_fast": 32,
         "beta_slow": 1,
         "window_size": 128,
-        "compress_ratios": SPEC_RATIOS + DRAFT_RATIOS,
+        "compress_ratios": FLASH_RATIOS + DRAFT_RATIOS,
         "kv_source_layers": [2, 8, 14, 20],
         "index_source_layers": [2, 8, 14, 20, 24, 28, 32, 36],
         "index_n_heads": 32,
@@ -157,7 +157,7 @@ def test_flash_fields_match_spec():
     assert (c.n_routed_experts, c.n_shared_experts, c.num_experts_per_tok) == (384, 1, 6)
     assert (c.moe_intermediate_size, c.routed_scaling_factor, c.swiglu_limit) == (2304, 1.5, 10)
     assert c.scoring_func == "sqrtsoftplus" and c.rms_norm_eps == 1e-20
-    assert list(c.compress_ratios) == SPEC_RATIOS
+    assert list(c.compress_ratios) == FLASH_RATIOS
     assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (32, 128, 512)
     assert (c.candidate_source_layer_id, c.candidate_topk_blocks, c.candidate_block_size) \
         == (20, 2048, 8)
@@ -173,18 +173,18 @@ def test_flash_plan_matches_spec():
     assert all(isinstance(p, LayerPlan) for p in plan)
     for p in plan:
         i = p.layer
-        expected_mode = ("swa-only" if i in SPEC_SWA else "full" if i in SPEC_FULL
-                         else "reindex" if i in SPEC_REINDEX else "reuse")
+        expected_mode = ("swa-only" if i in FLASH_SWA else "full" if i in FLASH_FULL
+                         else "reindex" if i in FLASH_REINDEX else "reuse")
         assert p.mode == expected_mode, i
         assert p.part == ("encoder" if i < 20 else "decoder"), i
-        assert p.compress_ratio == SPEC_RATIOS[i]
-        assert p.kv_source == spec_kv_source(i), i
-        assert p.index_source == spec_index_source(i), i
-        assert p.index_key_source == spec_kv_source(i), i
-        assert p.owns_kv == p.owns_indexer_keys == (i in SPEC_FULL)
-        assert p.owns_index_query == (i in SPEC_FULL | SPEC_REINDEX)
+        assert p.compress_ratio == FLASH_RATIOS[i]
+        assert p.kv_source == expected_kv_source(i), i
+        assert p.index_source == expected_index_source(i), i
+        assert p.index_key_source == expected_kv_source(i), i
+        assert p.owns_kv == p.owns_indexer_keys == (i in FLASH_FULL)
+        assert p.owns_index_query == (i in FLASH_FULL | FLASH_REINDEX)
         assert not p.dense
-    # Spot checks straight from the SPEC prose.
+    # Spot checks straight from the prose of docs/design.md#layer-modes.
     assert plan[26].kv_source == 20 and plan[26].index_source == 24
     assert plan[19].kv_source == 14 and plan[19].index_source == 14
     assert plan[23].index_source == 20
@@ -322,7 +322,7 @@ def with_ratio(cfg: ModelConfig, layer: int, ratio: int) -> ModelConfig:
      r"first decoder layer 20 .*candidate_source_layer_id=8"),
     (lambda: FLASH.replace(num_encoder_layers=40), r"non-empty encoder and decoder"),
     (lambda: with_ratio(FLASH, 39, 0), r"layer 39: SWA-only layer in the decoder"),
-    (lambda: FLASH.replace(compress_ratios=tuple(SPEC_RATIOS[:39])),
+    (lambda: FLASH.replace(compress_ratios=tuple(FLASH_RATIOS[:39])),
      r"compress_ratios has 39 entries, expected num_layers=40"),
     (lambda: FLASH.replace(kv_source_layer_ids=(8, 14, 20)),
      r"layer 2: compress ratio 2 but no KV source at or before it"),
@@ -372,7 +372,7 @@ def test_missing_key_in_json_names_it():
 
 def test_too_few_compress_ratios_in_json():
     d = hf_flash_dict()
-    d["text_config"]["compress_ratios"] = SPEC_RATIOS[:39]
+    d["text_config"]["compress_ratios"] = FLASH_RATIOS[:39]
     with pytest.raises(ConfigError, match=r"compress_ratios has 39 entries, fewer than "
                                           r"num_layers=40"):
         ModelConfig.from_dict(d)

@@ -138,7 +138,7 @@ def test_bounded_replay_reads_cached_global_kv(tiny):
     for layer in st.main_kv:
         assert int(trace[layer]["entry_positions"].min()) == H
     assert st.position == N and st.tokens == ids
-    assert not torch.equal(out, logits[-1])   # approximate, as SPEC section 5 says
+    assert not torch.equal(out, logits[-1])   # approximate: docs/design.md#encoder-replay
 
 
 def test_bounded_replay_swa_rule_position_by_position(tiny):

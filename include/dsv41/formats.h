@@ -5,7 +5,7 @@
 // CPU build tests what the GPU runs. The float32 torch reference in
 // python/dsv41/formats/reference.py implements the same algorithms independently.
 //
-// Formats (SPEC section 3):
+// Formats (docs/design.md#formats):
 //   NVFP4   (main global KV):  E2M1 codes, one E4M3 scale per 16 values, no global scale.
 //   MXFP4   (indexer keys/q):  E2M1 codes, one UE8M0 scale per 32 values.
 //   FP8 SWA (SWA KV):          E4M3 values, one UE8M0 scale per 32 values.

@@ -1,4 +1,5 @@
-"""KV-cache byte accounting from a model config alone (SPEC sections 1 and 3).
+"""KV-cache byte accounting from a model config alone (docs/design.md#system,
+docs/design.md#bytes-per-token).
 
 Three ledgers: global KV (main KV + indexer keys, per token, GPU and SSD), SWA KV (per
 sequence, bounded by the window) and the persistent prefix cache (per token). Every byte

@@ -1,8 +1,10 @@
 """NVTX ranges, so an Nsight Systems timeline of dsv41 reads like the engine's own story.
 
 Off by default, and then nearly free: a range is one check of a module global (no NVTX
-call, no payload built; about 0.1 us per traced call, bench/micro/test_profiling_overhead.py). Switch it on with `DSV41_NVTX=1` in the environment (read when dsv41 is
-imported) or from Python:
+call, no payload built), small next to the cheapest function it wraps
+(bench/micro/test_profiling_overhead.py measures it; docs/profiling.md has the figures).
+Switch it on with `DSV41_NVTX=1` in the environment (read when dsv41 is imported) or from
+Python:
 
     from dsv41 import profiling
     profiling.enable()      # True when a tool (Nsight Systems) receives the ranges

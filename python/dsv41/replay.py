@@ -9,7 +9,7 @@
     plan.cached_until    # global KV of [0, cached_until) is imported and read as cached
     plan.decoder_start   # decoder layers run on [decoder_start, N) only
 
-The rules (docs/replay.md, SPEC section 5), with W the sliding window, L the layers and
+The rules (docs/replay.md, docs/design.md#replay), with W the sliding window, L the layers and
 L_enc the encoder layers:
   - cold (no global hit): full prefill, start 0.
   - both hit (an SWA snapshot of a prefix P <= N - 1 whose blocks the global hit holds):
@@ -20,7 +20,7 @@ L_enc the encoder layers:
     Exact mode (the oracle) replays from far enough back to equal full prefill:
     s = max(0, H - L (W - 1)) when every layer runs on the replayed tokens, or
     s = max(0, min(H, N - W) - L_enc (W - 1)) with decoder replay on (then only the encoder
-    runs before N - W). SPEC's L_enc (W - 1) is the encoder part of this bound.
+    runs before N - W; docs/design.md#exact-replay names this encoder part L_enc (W - 1)).
   - global hit, no snapshot, encoder replay off (or a model with overlapping compressor
     windows, V4, whose carried window the cached KV lacks): recompute the whole prompt.
   - decoder replay on: decoder layers run on [max(start, N - W), N) only.
@@ -44,8 +44,9 @@ PATHS = ("cold", "both_hit", "encoder_replay", "recompute")
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """The replay switches. mode "bounded" replays the last W cached tokens (SPEC section
-    5); "exact" replays far enough back to equal full prefill (the oracle)."""
+    """The replay switches. mode "bounded" replays the last W cached tokens
+    (docs/design.md#encoder-replay); "exact" replays far enough back to equal full prefill
+    (the oracle, docs/design.md#exact-replay)."""
 
     encoder_replay: bool = True
     decoder_replay: bool = False

@@ -1,4 +1,5 @@
-"""Block payload layout: byte counts re-derived from SPEC section 3, validation, pack/unpack."""
+"""Block payload layout: byte counts re-derived from docs/design.md#formats, validation,
+pack/unpack."""
 from __future__ import annotations
 
 import pytest

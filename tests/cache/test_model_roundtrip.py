@@ -1,4 +1,4 @@
-"""Round trip through the model (SPEC section 4): a sequence's state goes into the cache,
+"""Round trip through the model (docs/design.md#tiers): a sequence's state goes into the cache,
 leaves GPU memory, comes back from the SSD tier (and its SWA snapshot from the host pool),
 and the resumed state is bit-identical to the live one: same global KV, same SWA rings,
 same compressor state, and identical logits for the next tokens."""

@@ -1,4 +1,4 @@
-"""What each layer may see and whose state it reads (SPEC section 2)."""
+"""What each layer may see and whose state it reads (docs/design.md#layer-modes)."""
 from __future__ import annotations
 
 import math

@@ -47,7 +47,7 @@ def attention_inputs(gen, T, H=64, D=512, W=128, K=512, Ns=None, Ng=None, p_empt
 
 def replay_window_idx(positions, replay_start: int, W: int, ring: int) -> torch.Tensor:
     """SWA slots of a ring buffer: query at position i sees keys [max(s, i-W+1), i]
-    (SPEC section 5), slot = position % ring, -1 outside the window."""
+    (docs/design.md#replay), slot = position % ring, -1 outside the window."""
     pos = torch.as_tensor(positions, dtype=torch.int64)[:, None] - (W - 1) + torch.arange(W)[None, :]
     lo = torch.clamp(pos.new_tensor(replay_start), min=0)
     ok = (pos >= lo) & (pos <= torch.as_tensor(positions)[:, None])

@@ -9,7 +9,7 @@ from dsv41 import formats
 from dsv41.ops import cache_ops
 
 
-_SPEC = {  # fmt -> (values per code byte, block, code dtype, scale dtype)
+_FORMATS = {  # fmt -> (values per code byte, block, code dtype, scale dtype)
     "nvfp4": (2, 16, torch.uint8, torch.float8_e4m3fn),
     "mxfp4": (2, 32, torch.uint8, torch.uint8),
     "fp8_swa": (1, 32, torch.float8_e4m3fn, torch.uint8),
@@ -17,7 +17,7 @@ _SPEC = {  # fmt -> (values per code byte, block, code dtype, scale dtype)
 
 
 def _pool(fmt, rows, d, device="cpu"):
-    per, block, cdt, sdt = _SPEC[fmt]
+    per, block, cdt, sdt = _FORMATS[fmt]
     codes = torch.full((rows, d // per), 0x5A, dtype=torch.uint8, device=device).view(cdt)
     scales = torch.full((rows, d // block), 0x33, dtype=torch.uint8, device=device).view(sdt)
     return codes, scales
@@ -47,13 +47,13 @@ def _scatter_case(fmt, gen, device):
     assert torch.equal(_bits(scales)[untouched], before[1][untouched])
 
 
-@pytest.mark.parametrize("fmt", list(_SPEC))
+@pytest.mark.parametrize("fmt", list(_FORMATS))
 def test_quantize_scatter_cpu(fmt, gen):
     _scatter_case(fmt, gen, "cpu")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", list(_SPEC))
+@pytest.mark.parametrize("fmt", list(_FORMATS))
 def test_quantize_scatter_cuda(fmt, gen):
     _scatter_case(fmt, gen, "cuda")
 

@@ -1,4 +1,4 @@
-"""The tiered prefix cache (SPEC section 4).
+"""The tiered prefix cache (docs/design.md#tiers).
 
     hashing      block hash chain and cache keys (namespace, model fingerprint, format)
     layout       the byte layout of one block's payload, from a ModelConfig

@@ -36,8 +36,8 @@ from .errors import LayoutError, PayloadError
 
 __all__ = ["PAYLOAD_FORMAT_VERSION", "DEFAULT_BLOCK_TOKENS", "KINDS", "PayloadArray", "BlockLayout"]
 
-# Version of the payload bytes (codecs of SPEC section 3 + this layout). Part of every cache
-# key and of the persistent store's manifest: bump it when either changes.
+# Version of the payload bytes (codecs of docs/design.md#codecs + this layout). Part of
+# every cache key and of the persistent store's manifest: bump it when either changes.
 PAYLOAD_FORMAT_VERSION = 1
 DEFAULT_BLOCK_TOKENS = 64
 KINDS = ("main_codes", "main_scales", "index_codes", "index_scales")

@@ -1,8 +1,9 @@
 """The model configuration: architecture fields and their validation.
 
 A `ModelConfig` is validated once, at construction, so every other part of dsv41 (model,
-cache manager, budget, replay) can trust its layer plan. The rules are those of SPEC
-section 2; docs/config.md lists every field, the JSON key mapping and the validation rules.
+cache manager, budget, replay) can trust its layer plan. The rules are those of
+docs/design.md#layer-modes; docs/config.md lists every field, the JSON key mapping and the
+validation rules.
 """
 from __future__ import annotations
 

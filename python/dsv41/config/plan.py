@@ -1,5 +1,5 @@
 """The per-layer plan: what each layer computes and which layers' state it reads
-(SPEC section 2; docs/config.md "Layer plan")."""
+(docs/design.md#layer-modes; docs/config.md "Layer plan")."""
 from __future__ import annotations
 
 from dataclasses import dataclass

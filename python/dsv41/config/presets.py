@@ -65,7 +65,8 @@ def _v41_flash() -> Fields:
 
 
 def _v4_flash() -> Fields:
-    """DeepSeek-V4-Flash (SPEC 2b; transformers' DeepseekV4Config defaults for the dims).
+    """DeepSeek-V4-Flash (docs/design.md#v4-flash; transformers' DeepseekV4Config defaults
+    for the dims).
 
     Layers 0-1 are SWA-only, then CSA (ratio 4) and HCA (ratio 128) alternate starting
     with CSA (the V4-Flash model card's layer table). Each CSA layer is its own KV and

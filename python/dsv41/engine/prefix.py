@@ -3,12 +3,12 @@ state from the cached global KV (and SWA snapshot), and write exact results back
 
 Write-back rule. Blocks are inserted when the state's global KV is exact (cold, recompute,
 both hit, exact replay, decoder replay: the encoder ran on every token); SWA snapshots when
-its SWA state is exact too. A state after decoder replay never gives a snapshot (SPEC
-section 5: decode only, never cached). A state after bounded encoder replay is the
-session's own state from then on: with write_approximate=True (the engine's default, as
-production runtimes do) its blocks and snapshots are cached, so the conversation's next
-turn resumes from them; with False (strict) only states equal to a full prefill are ever
-cached, so approximate KV can never reach another request.
+its SWA state is exact too. A state after decoder replay never gives a snapshot
+(docs/design.md#decoder-replay: decode only, never cached). A state after bounded encoder
+replay is the session's own state from then on: with write_approximate=True (the engine's
+default, as production runtimes do) its blocks and snapshots are cached, so the
+conversation's next turn resumes from them; with False (strict) only states equal to a full
+prefill are ever cached, so approximate KV can never reach another request.
 """
 from __future__ import annotations
 

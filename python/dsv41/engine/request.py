@@ -61,7 +61,7 @@ class Request:
 
 @dataclass
 class RequestStats:
-    """Per-request statistics (SPEC section 6). Tokens are counts; times are seconds."""
+    """Per-request statistics (docs/design.md#acceptance). Tokens are counts; times are seconds."""
 
     path: str = ""
     prompt_tokens: int = 0

@@ -1,4 +1,4 @@
-"""The acceptance harness (SPEC section 6): the replay go/no-go matrix as a tool.
+"""The acceptance harness (docs/design.md#acceptance): the replay go/no-go matrix as a tool.
 
     from dsv41.eval import evaluate
     summary = evaluate()                                   # shipped matrix + contract, v41-tiny

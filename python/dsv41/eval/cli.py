@@ -15,7 +15,8 @@ INPUT_MAX_BYTES = 4 << 20   # a matrix or contract file: a few KB of YAML
 
 
 def add_eval_parser(sub) -> None:
-    p = sub.add_parser("eval", help="run the replay acceptance matrix against a contract (SPEC 6)",
+    p = sub.add_parser("eval", help="run the replay acceptance matrix against a contract "
+                                    "(docs/design.md#acceptance)",
                        description="Run every cell of MATRIX through the four cache states and the "
                                    "replay switches, judge CONTRACT, write report.md, results.json and "
                                    "plots into OUT. With no arguments: the shipped matrix and contract "

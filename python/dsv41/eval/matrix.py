@@ -1,4 +1,5 @@
-"""The acceptance matrix (SPEC section 6): load and validate the YAML, expand it to cells.
+"""The acceptance matrix (docs/design.md#acceptance): load and validate the YAML, expand it
+to cells.
 
     m = load_matrix("matrix.yaml")          # or Matrix.from_dict(...); MatrixError on bad input
     cells = m.expand(window=W, block=B)     # list[Cell], each with its resolved positions
@@ -35,9 +36,9 @@ Cache-hit positions H (the end of the cached prefix; all aligned down to the blo
 start = one block; before_boundary = W - block; after_boundary = W + block; end = the
 whole context (at most N - 1: the prompt's last token is always computed). The `shifted`
 state uses H + cut_shift, or H - cut_shift when that would leave no cached block or pass
-the context. one_at_a_time runs the base cell and, per dimension, each other
-value with the rest at base (how SPEC 6's minimum variants are usually covered); grid
-runs every combination.
+the context. one_at_a_time runs the base cell and, per dimension, each other value with
+the rest at base (how the minimum variants of docs/design.md#acceptance are usually
+covered); grid runs every combination.
 """
 from __future__ import annotations
 

@@ -17,11 +17,12 @@ implements it on `dsv41.Engine`:
 and every request of the list runs concurrently (submitted together to one engine).
 Turns run in order in the same engine and cache.
 
-States of SPEC 6 on top of that: cold -> "cold"; both_hit -> "warm" at H; swa_miss ->
-"warm_expired" at H; shifted -> "warm_expired" at H + cut_shift. Each non-cold state runs
-under every replay switch of the matrix ("off" recomputes, "bounded" replays W tokens,
-"exact" is the oracle that replays far enough back to equal full prefill, "decoder" adds
-decoder replay); cold runs once per prompt and repeat (replay "none").
+The cache states of docs/design.md#acceptance on top of that: cold -> "cold"; both_hit ->
+"warm" at H; swa_miss -> "warm_expired" at H; shifted -> "warm_expired" at H + cut_shift.
+Each non-cold state runs under every replay switch of the matrix ("off" recomputes,
+"bounded" replays W tokens, "exact" is the oracle that replays far enough back to equal
+full prefill, "decoder" adds decoder replay); cold runs once per prompt and repeat (replay
+"none").
 
 Multi-turn output: turn 2's prompt is turn 1's prompt + the *full-prefill* turn-1 output +
 the task's follow-up, the same tokens in every state, so turn-2 divergence is measured on

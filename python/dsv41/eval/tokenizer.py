@@ -6,7 +6,8 @@ the two specials (EOS is the stop token of every request). It is reversible on t
 alphabet (`decode(encode(s)) == s`); ids it does not know decode to nothing.
 
 A checkpoint trained on another tokenizer sees these prompts as arbitrary ids: its task
-scores are then meaningless and divergence from full prefill is the signal (SPEC 6).
+scores are then meaningless and divergence from full prefill is the signal
+(docs/design.md#acceptance).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The stored KV formats: NVFP4 main KV, MXFP4 indexer keys, FP8 SWA KV (SPEC section 3),
+"""The stored KV formats: NVFP4 main KV, MXFP4 indexer keys, FP8 SWA KV (docs/design.md#formats),
 and DeepSeek-V4's FP8 main-KV entry (FlashMLA's MODEL1 FP8 sparse layout).
 
 Each function checks its arguments, then runs the dsv41 torch op: the C++ CPU loop for a

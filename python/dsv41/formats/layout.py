@@ -1,4 +1,4 @@
-"""Shapes, dtypes and byte sizes of the stored KV formats (SPEC section 3): the one module
+"""Shapes, dtypes and byte sizes of the stored KV formats (docs/design.md#formats): the one module
 that states them.
 
 Every byte count and row shape in dsv41 (the KV budget, the cache tiers, the model state,

@@ -1,4 +1,4 @@
-"""Float32 torch reference of the KV formats (SPEC section 3), independent of the C++ code.
+"""Float32 torch reference of the codecs (docs/design.md#codecs), independent of the C++ code.
 
 Where the C++/CUDA codecs in include/dsv41/formats.h work on bit patterns, this module
 works on values: it rounds to the nearest point of each format's value grid (ties to the
@@ -130,7 +130,7 @@ def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def _quantize_mx(x: torch.Tensor, block: int, elem_max: float, encode) -> tuple[torch.Tensor, torch.Tensor]:
     xb = _blocks(x.float(), block)
     amax, finite = _block_amax(xb)
-    e = ceil_pow2_exponent(amax / elem_max)  # amax / elem_max in float32, as the spec says
+    e = ceil_pow2_exponent(amax / elem_max)  # fl32(amax / elem_max): docs/design.md#codecs
     safe_e = torch.where(finite, e, 127)
     q = encode(_pow2_scaled(xb, safe_e))
     q = torch.where(finite[..., None], q, 0)

@@ -1,4 +1,4 @@
-"""The CSA2 attention block of one layer (SPEC section 2).
+"""The CSA2 attention block of one layer (docs/design.md#attention).
 
 Query path: q-lora (`wq_a`, `q_norm`, `wq_b`), a weightless per-head RMSNorm, RoPE on the
 last rope_head_dim dims. SWA path: every layer projects its own SWA KV (`wkv`, `kv_norm`,

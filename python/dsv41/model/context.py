@@ -22,7 +22,7 @@ def swa_index(start: int, count: int, window: int, swa_start: int = 0,
 
     The buffer the op reads is [ring (window slots, position p in slot p % window);
     the new tokens' SWA KV (slot window + p - start)]. Query i sees positions
-    [max(swa_start, i - window + 1), i] (SPEC section 5; swa_start = 0 for a plain
+    [max(swa_start, i - window + 1), i] (docs/design.md#replay; swa_start = 0 for a plain
     prefill), listed oldest first in slot j = p - (i - window + 1); others are -1.
     Returns int32 [count, window].
     """

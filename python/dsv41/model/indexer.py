@@ -1,4 +1,4 @@
-"""The lightning indexer: which global entries each query attends to (SPEC section 2).
+"""The lightning indexer: which global entries each query attends to (docs/design.md#indexer).
 
 Keys (owned by the Full layer): V4.1: k = RMSNorm(W_k latent) from the compressor's
 normalized entry (Linear head_dim -> index_head_dim, `k_norm`); V4 (`indexer_compressor`):

@@ -79,7 +79,7 @@ class KVCodec:
 
 
 class NVFP4Codec(KVCodec):
-    """V4.1's stored formats (SPEC section 3)."""
+    """V4.1's stored formats (docs/design.md#formats)."""
 
     name = "nvfp4"
     ops_read_stored = True

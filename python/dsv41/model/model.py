@@ -53,7 +53,7 @@ class Extend:
     """One sequence of an `extend_batch` call: the general form of a prefill, for replay.
 
     tokens run from state.position on. swa_start: the first position any query's SWA window
-    may reach (SPEC section 5: query i sees [max(swa_start, i - W + 1), i]); it must lie in
+    may reach (docs/design.md#replay: query i sees [max(swa_start, i - W + 1), i]); it must lie in
     [0, state.position]. cached_until: the state already holds the global KV (and indexer
     keys) of tokens [0, cached_until), a multiple of every ratio at or after the position;
     tokens before it rebuild SWA state only and read that KV as cached, never recomputing

@@ -5,8 +5,8 @@ sorted activations. Three ways to run the experts over them, chosen by `moe_path
   - "grouped_mm" (CUDA, sm_90+, bf16 experts): torch._grouped_mm over the stacked expert
     weights, one call for w1|w3 and one for w2 (offs: int32 end offsets per expert);
   - "padded_bmm" (CPU, bf16 experts): each group padded to the largest (rounded up to a few
-    sizes) and run as one torch.bmm per projection - on the CPU one batched call is several
-    times faster than a GEMM per expert at these sizes, and torch._grouped_mm's CPU fallback
+    sizes) and run as one torch.bmm per projection - on the CPU one batched call beats a GEMM
+    per expert at these sizes (docs/performance.md#model), and torch._grouped_mm's CPU fallback
     is itself a loop. A call whose padding would more than double the rows (few tokens over
     many experts: decode) takes the loop instead;
   - "loop" (quantized experts - FP8/FP4 - anywhere, or a GPU/torch without grouped GEMMs):

@@ -92,8 +92,9 @@ def _tile_rows(lin: nn.Module) -> int:
 
 
 def _bucket(rows: int) -> int:
-    """Row counts the GEMMs run at: a few sizes, so oneDNN's per-shape kernels (about 1 ms
-    to create each, cached afterwards) are reused across expert groups and calls."""
+    """Row counts the GEMMs run at: a few sizes, so oneDNN's per-shape kernels (costly to
+    create next to one small GEMM, cached afterwards; docs/model.md) are reused across
+    expert groups and calls."""
     if rows <= 8:
         return rows
     if rows <= 256:
@@ -182,8 +183,8 @@ def attend(q: torch.Tensor, swa: torch.Tensor, swa_idx: torch.Tensor, kv: torch.
         p = torch.exp_(scores.sub_(m[..., None])).mul_(count[:, None, :])
         denom = p.sum(-1) + torch.exp(sink[None, :] - m)
         # P.V with bf16 inputs (float32 accumulation, as FlashAttention does on a GPU): the
-        # output is rounded to bf16 for wo_a anyway, and oneDNN's bf16 GEMM is several
-        # times faster than float32 here; Q.K stays float32 (scores feed the exp).
+        # output is rounded to bf16 for wo_a anyway, and oneDNN's bf16 GEMM is faster than
+        # float32 here (docs/performance.md#model); Q.K stays float32 (scores feed the exp).
         o = torch.matmul(p.to(torch.bfloat16), rows.to(torch.bfloat16)).float()
         if keys is not None:
             pk = torch.exp_(s_kv.sub_(m[..., None]))

@@ -1,6 +1,6 @@
 """Rotary position embedding on the last `rope_head_dim` dims, with YaRN.
 
-Two regimes (SPEC section 2): SWA-only layers use `rope_theta` without scaling; every
+Two regimes (docs/design.md#model): SWA-only layers use `rope_theta` without scaling; every
 compressing layer (ratio 1 or 2: its queries, SWA keys, global entries and indexer
 queries/keys) uses `compress_rope_theta` with YaRN when `rope_scaling` is set.
 

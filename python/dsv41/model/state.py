@@ -1,4 +1,5 @@
-"""The per-sequence KV state, in the formats a server stores (SPEC sections 2-4).
+"""The per-sequence KV state, in the formats a server stores (docs/design.md#formats;
+what each tier keeps: docs/design.md#tiers).
 
 `SequenceState` holds, for one sequence:
   - `tokens` (the ids seen) and `position` (how many; the next token's position);
@@ -135,7 +136,7 @@ class RowStore:
 
 @dataclass
 class SwaSnapshot:
-    """What a prefix-cache hit cannot rebuild from the global KV alone (SPEC section 4):
+    """What a prefix-cache hit cannot rebuild from the global KV alone (docs/design.md#tiers):
     the SWA rings, the compressor's partial blocks, the token ids, and the global entries
     past the last aligned boundary (`aligned_to` tokens)."""
 

@@ -1,8 +1,9 @@
-"""Torch reference of the attention and indexer ops (SPEC section 2), the CPU implementation.
+"""Torch reference of the attention and indexer ops (docs/design.md#attention,
+docs/design.md#indexer), the CPU implementation.
 
 Every op is index based: the caller builds, per query, the list of SWA slots and global
 entries it may see (-1 = empty), so one op serves prefill, decode, batching, ring buffers
-and the replay start rule of SPEC section 5. The CUDA kernels issue replaces these with
+and the replay start rule of docs/design.md#replay. The CUDA kernels issue replaces these with
 kernels that must match them (see tests/ops/).
 
 Determinism. The model needs every per-query result to be independent of how many queries

@@ -14,7 +14,8 @@ does not listen on every interface.
 Semantics the tier relies on (seen with mooncake-transfer-engine 0.3.13): a put of an
 existing key keeps the first value; a missing key reads as b''; there is no TTL; a full
 store evicts roughly LRU and answers -200 when it cannot; a dead master makes calls hang
-~4.3 s then fail with -900 (Guarded bounds them). Its RPC and data ports have no
+for longer than any deadline, then fail with -900 (Guarded bounds them; docs/remote.md
+has the times). Its RPC and data ports have no
 authentication: see docs/remote.md.
 
 Needs `pip install mooncake-transfer-engine-non-cuda` (CPU hosts) or
@@ -137,8 +138,9 @@ class MooncakeBackend(RemoteBackend):
         """The records of a RecordBatch, encoded straight into the staging buffer registered
         with the client and sent from there with batch_put_from (batch_upsert_from when
         overwriting): the client's zero-copy put, with no buffer allocated, touched for the
-        first time or registered per call (allocating and first touching the 1.8 MB of 32
-        v41-flash records took ~0.8 ms here, a third of their transfer). Each key's return
+        first time or registered per call (a fresh buffer's allocation and page faults cost
+        a sizeable share of the transfer itself:
+        docs/performance.md#where-the-tiers-time-goes-no-json). Each key's return
         code is checked; -200 (no space) is RemoteFull. A batch over staging_bytes goes out
         in staging-sized transfers. While another put holds the staging buffer (one that
         outlived its deadline), and for a value larger than staging_bytes, the records go

@@ -1,5 +1,6 @@
 """Worker threads for remote calls that may hang: daemon threads, so that a process whose
-backend is stuck (a Mooncake client waits ~30 s on a stopped master) still exits at once.
+backend is stuck (a Mooncake client waits on a stopped master for its whole RPC timeout,
+docs/remote.md) still exits at once.
 
 concurrent.futures.ThreadPoolExecutor is not usable here: its threads are not daemon
 threads and the interpreter joins every one of them at exit, so one call stuck in a client

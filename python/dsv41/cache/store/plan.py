@@ -15,10 +15,10 @@ from .state import StoreState
 
 __all__ = ["plan_reads", "RECORD_STATUS", "DAMAGED", "GROUP_BYTES"]
 
-# Contiguous records read by one op. On the development VM's disk a read costs about one
-# request whatever its size, and a 4K-token prefix of v41-flash blocks (3.9 MB) took 8 ops
-# at 512 KiB but 4 at 1 MiB, as many as a raw 1 MiB read of its bytes; the checks of one
-# op run while the others are still being read.
+# Contiguous records read by one op. A read's time follows the number of disk requests
+# more than their size, so one op covers as many records as a raw read of their bytes
+# would, and the checks of one op run while the others are still being read. What 512 KiB
+# and 1 MiB ops measured: docs/performance.md#what-moved-the-reads-and-writes-no-json.
 GROUP_BYTES = 1 << 20
 RECORD_STATUS = _io.RECORD_STATUS  # "ok", "truncated", "header", "checksum", "collision", "chain"
 # Statuses that prove the bytes on disk are not the record the index holds: the record is

@@ -29,9 +29,9 @@ __all__ = ["SegmentWriter", "Unsealed", "ParentLost", "WRITE_CHUNK", "IN_FLIGHT"
 
 # The writer threads issue the chunk writes in order while the caller encodes the next
 # chunks. Chunks are 4 MiB slices of one huge-page-backed staging pool, so each goes to
-# the disk as one request: on the 2-core development VM (O_DIRECT on ext4, virtio) a
-# write's time follows the number of requests, and 4 MiB writes from huge pages moved
-# the same bytes in 0.6-0.8x the time of 1 MiB writes (docs/cache.md, "Write path").
+# the disk as one request: a write's time follows the number of requests more than their
+# size, so fewer, larger requests move the same bytes sooner (the measurements:
+# docs/performance.md#what-moved-the-reads-and-writes-no-json).
 # The encoder runs up to 4 chunks (16 MiB) ahead: on a shared machine the encoding
 # thread is sometimes descheduled for milliseconds, and the queue keeps the disk busy
 # meanwhile. Every staging chunk (header and footer included) fits one staging slice, so
