@@ -38,7 +38,7 @@ BASE_ARGS = {("serve",): ["--port", "0"]}
 PRELOAD = ["dsv41.model", "dsv41.engine", "dsv41.cache", "dsv41.eval", "dsv41.gpu_plan", "dsv41.server.app",
            "dsv41.model.checkpoint", "uvicorn"]
 # metavars that name something on disk, and what it must be
-FILE_METAVARS = {"PATH": "config", "MATRIX.yaml": "yaml", "CONTRACT.yaml": "yaml"}
+FILE_METAVARS = {"PATH": "config", "MATRIX.yaml": "yaml", "CONTRACT.yaml": "yaml", "FILE": "text"}
 DIR_METAVARS = {"DIR", "CKPT_DIR", "DIR|NAME", "dir"}
 OUTPUT_DIRS = {"out", "cache_dir"}   # may be missing (they are created); never a file or device
 # options a hostile value cannot reach without starting a long run (they take any string and
@@ -159,6 +159,8 @@ class Fixtures:
             out += [(f"config {k}", v, False) for k, v in self.configs.items()]
         if kind == "yaml":
             out += [(f"yaml {k}", v, False) for k, v in self.yamls.items()]
+        if kind == "text":   # any file read whole: bounded like a config
+            out.append(("big file", self.configs["big-file"], False))
         return out
 
 
@@ -239,6 +241,10 @@ def hand_cases(fx: Fixtures, store: str) -> list[tuple[str, list[str], bool, str
         ("demo --block-tokens 0", ["demo", "--block-tokens", "0"], "--block-tokens"),
         ("demo --block-tokens 7", ["demo", "--block-tokens", "7"], "block"),
         ("serve --port -1", ["serve", "--port", "-1"], "--port"),
+        ("serve --api-key-file FIFO", ["serve", "--port", "0", "--api-key-file", fx.fifo], "not a regular file"),
+        ("serve --api-key-file /dev/zero", ["serve", "--port", "0", "--api-key-file", "/dev/zero"],
+         "not a regular file"),
+        ("serve --api-key-file binary", ["serve", "--port", "0", "--api-key-file", fx.garbage], "not UTF-8"),
         ("cache gc --capacity 1e-9G", ["cache", "gc", store, "--capacity", "1e-9G"], "less than one record"),
         ("cache gc --capacity 100", ["cache", "gc", store, "--capacity", "100"], "less than one record"),
     ]
