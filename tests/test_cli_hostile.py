@@ -127,6 +127,14 @@ class Fixtures:
         zero.mkdir()
         (zero / "config.json").symlink_to("/dev/zero")
         self.ckpts["dev-zero"] = str(zero)
+        # a valid model config whose weight index is a FIFO (read whole: it must be refused,
+        # not read)
+        d = root / "ckpt-index-fifo"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(good))
+        (d / "config.json").chmod(0o644)
+        os.mkfifo(d / "model.safetensors.index.json")
+        self.ckpts["index-fifo"] = str(d)
 
     @staticmethod
     def good_config() -> dict:
@@ -238,6 +246,7 @@ def hand_cases(fx: Fixtures, store: str) -> list[tuple[str, list[str], bool, str
         ("plan --config FIFO", ["plan", "--config", fx.fifo], "not a regular file"),
         ("demo --preset bogus", ["demo", "--preset", "bogus"], "--preset"),
         ("demo --model missing", ["demo", "--model", fx.missing], "missing"),
+        ("demo --model index FIFO", ["demo", "--model", fx.ckpts["index-fifo"]], "not a regular file"),
         ("demo --block-tokens 0", ["demo", "--block-tokens", "0"], "--block-tokens"),
         ("demo --block-tokens 7", ["demo", "--block-tokens", "7"], "block"),
         ("serve --port -1", ["serve", "--port", "-1"], "--port"),

@@ -227,3 +227,33 @@ def test_a_damaged_shard_is_named_with_what_is_wrong(saved, tmp_path):
     (path / "model.safetensors.index.json").write_text('{"weight_map": ')
     with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not JSON"):
         Model.from_pretrained(path)
+
+
+def test_a_hostile_index_is_refused_without_reading_it(saved, tmp_path, monkeypatch):
+    """The index is read whole, so only a regular file of bounded size is read at all (a
+    FIFO would block the load, /dev/zero never end): issue 29 item 4."""
+    import os
+
+    from dsv41.model import checkpoint
+    path = _copy(saved, tmp_path)
+    index = path / "model.safetensors.index.json"
+    good = index.read_bytes()
+    index.unlink()
+    os.mkfifo(index)
+    with pytest.raises(CheckpointError, match=r"index\.json is not a regular file"):
+        Model.from_pretrained(path)
+    index.unlink()
+    index.symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match=r"index\.json is not a regular file"):
+        Model.from_pretrained(path)
+    index.unlink()
+    index.write_bytes(good)
+    monkeypatch.setattr(checkpoint, "INDEX_MAX_BYTES", len(good) - 1)
+    with pytest.raises(CheckpointError, match=rf"index\.json is more than the {len(good) - 1:,} bytes allowed"):
+        Model.from_pretrained(path)
+    monkeypatch.undo()
+    for text, msg in (("[1, 2]", "expected a JSON object at the top level"), ('{"weight_map": [1]}', "weight_map"),
+                      ('{"weight_map": {"a": NaN}}', "NaN"), (b'{"\xff": 1}', "not UTF-8")):
+        index.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(CheckpointError, match=msg):
+            Model.from_pretrained(path)

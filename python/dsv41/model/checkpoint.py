@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..config.json_io import read_config_file
 from .production import place_quantized, take_quantized
 from .safetensors_file import ShardError, read_header
@@ -43,10 +43,13 @@ from .weights import (
 from .weights_id import check_weights_id, record_weights_digest, recorded_weights_digest
 
 __all__ = ["CheckpointError", "save_pretrained", "load_pretrained", "shard_files", "digest_checkpoint",
-           "CONFIG_NAME", "INDEX_NAME"]
+           "CONFIG_NAME", "INDEX_NAME", "INDEX_MAX_BYTES"]
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
+# The index is one ~100-byte line per tensor: 64 MiB holds over half a million tensors, far
+# more than any checkpoint has, and is read whole at load.
+INDEX_MAX_BYTES = 64 << 20
 SINGLE_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 
@@ -99,11 +102,13 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = 2 <<
 
 def _weight_map(directory: Path) -> dict[str, str]:
     if (directory / INDEX_NAME).exists():
-        try:
-            index = json.loads((directory / INDEX_NAME).read_text())
-        except ValueError as e:
-            raise CheckpointError(f"{directory / INDEX_NAME}: not JSON ({e})") from None
-        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        try:   # bounded and checked like a config: a FIFO or /dev/zero is refused, never read
+            index = read_config_file(directory / INDEX_NAME, max_bytes=INDEX_MAX_BYTES)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        except OSError as e:
+            raise CheckpointError(f"{directory / INDEX_NAME}: {e.strerror or e}") from None
+        if not isinstance(index.get("weight_map"), dict):
             raise CheckpointError(f"{directory / INDEX_NAME}: no 'weight_map' dict")
         bad = [k for k, v in index["weight_map"].items() if not isinstance(v, str)]
         if bad:
