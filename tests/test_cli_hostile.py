@@ -135,6 +135,12 @@ class Fixtures:
         (d / "config.json").chmod(0o644)
         os.mkfifo(d / "model.safetensors.index.json")
         self.ckpts["index-fifo"] = str(d)
+        # a valid model config whose "dsv41" key (save_pretrained's model options) is no object
+        d = root / "ckpt-dsv41-array"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**good, "dsv41": [1]}))
+        (d / "config.json").chmod(0o644)
+        self.ckpts["dsv41-array"] = str(d)
 
     @staticmethod
     def good_config() -> dict:
@@ -246,6 +252,7 @@ def hand_cases(fx: Fixtures, store: str) -> list[tuple[str, list[str], bool, str
         ("plan --config FIFO", ["plan", "--config", fx.fifo], "not a regular file"),
         ("demo --preset bogus", ["demo", "--preset", "bogus"], "--preset"),
         ("demo --model missing", ["demo", "--model", fx.missing], "missing"),
+        ("demo --model \"dsv41\": [1]", ["demo", "--model", fx.ckpts["dsv41-array"]], '"dsv41" key'),
         ("demo --model index FIFO", ["demo", "--model", fx.ckpts["index-fifo"]], "not a regular file"),
         ("demo --block-tokens 0", ["demo", "--block-tokens", "0"], "--block-tokens"),
         ("demo --block-tokens 7", ["demo", "--block-tokens", "7"], "block"),

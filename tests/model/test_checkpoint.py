@@ -257,3 +257,33 @@ def test_a_hostile_index_is_refused_without_reading_it(saved, tmp_path, monkeypa
         index.write_bytes(text if isinstance(text, bytes) else text.encode())
         with pytest.raises(CheckpointError, match=msg):
             Model.from_pretrained(path)
+
+
+@pytest.mark.parametrize("section,msg", [
+    ([1], r'the "dsv41" key must hold a JSON object, got an array'),
+    ("v1", r'the "dsv41" key must hold a JSON object, got a string'),
+    ({"model_options": 3}, r'"dsv41"\."model_options" must be a JSON object, got a number'),
+    ({"model_options": {"bogus": 1}}, r'"dsv41"\."model_options" holds unknown options bogus'),
+    ({"model_options": {"indexer_rotation": "yes"}}, r'"dsv41"\."model_options"\."indexer_rotation" must be bool, '
+                                                     r'got a string'),
+])
+def test_a_malformed_dsv41_key_is_named(saved, tmp_path, section, msg):
+    """The "dsv41" key of config.json (save_pretrained's model options) is checked: a value
+    of the wrong shape is a one-line error naming the key, not an AttributeError."""
+    path = _copy(saved, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["dsv41"] = section
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: " + msg):
+        Model.from_pretrained(path)
+
+
+def test_the_dsv41_key_is_optional_and_kv_dtype_in_it_ignored(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["dsv41"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert Model.from_pretrained(path).options == {"indexer_rotation": True}
+    cfg["dsv41"] = {"model_options": {"indexer_rotation": True, "kv_dtype": "fp8"}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert Model.from_pretrained(path).options == {"indexer_rotation": True}
