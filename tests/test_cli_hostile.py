@@ -38,7 +38,7 @@ BASE_ARGS = {("serve",): ["--port", "0"]}
 PRELOAD = ["dsv41.model", "dsv41.engine", "dsv41.cache", "dsv41.eval", "dsv41.gpu_plan", "dsv41.server.app",
            "dsv41.model.checkpoint", "uvicorn"]
 # metavars that name something on disk, and what it must be
-FILE_METAVARS = {"PATH": "config", "MATRIX.yaml": "yaml", "CONTRACT.yaml": "yaml"}
+FILE_METAVARS = {"PATH": "config", "MATRIX.yaml": "yaml", "CONTRACT.yaml": "yaml", "FILE": "text"}
 DIR_METAVARS = {"DIR", "CKPT_DIR", "DIR|NAME", "dir"}
 OUTPUT_DIRS = {"out", "cache_dir"}   # may be missing (they are created); never a file or device
 # options a hostile value cannot reach without starting a long run (they take any string and
@@ -127,6 +127,20 @@ class Fixtures:
         zero.mkdir()
         (zero / "config.json").symlink_to("/dev/zero")
         self.ckpts["dev-zero"] = str(zero)
+        # a valid model config whose weight index is a FIFO (read whole: it must be refused,
+        # not read)
+        d = root / "ckpt-index-fifo"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(good))
+        (d / "config.json").chmod(0o644)
+        os.mkfifo(d / "model.safetensors.index.json")
+        self.ckpts["index-fifo"] = str(d)
+        # a valid model config whose "dsv41" key (save_pretrained's model options) is no object
+        d = root / "ckpt-dsv41-array"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**good, "dsv41": [1]}))
+        (d / "config.json").chmod(0o644)
+        self.ckpts["dsv41-array"] = str(d)
 
     @staticmethod
     def good_config() -> dict:
@@ -159,6 +173,8 @@ class Fixtures:
             out += [(f"config {k}", v, False) for k, v in self.configs.items()]
         if kind == "yaml":
             out += [(f"yaml {k}", v, False) for k, v in self.yamls.items()]
+        if kind == "text":   # any file read whole: bounded like a config
+            out.append(("big file", self.configs["big-file"], False))
         return out
 
 
@@ -236,9 +252,15 @@ def hand_cases(fx: Fixtures, store: str) -> list[tuple[str, list[str], bool, str
         ("plan --config FIFO", ["plan", "--config", fx.fifo], "not a regular file"),
         ("demo --preset bogus", ["demo", "--preset", "bogus"], "--preset"),
         ("demo --model missing", ["demo", "--model", fx.missing], "missing"),
+        ("demo --model \"dsv41\": [1]", ["demo", "--model", fx.ckpts["dsv41-array"]], '"dsv41" key'),
+        ("demo --model index FIFO", ["demo", "--model", fx.ckpts["index-fifo"]], "not a regular file"),
         ("demo --block-tokens 0", ["demo", "--block-tokens", "0"], "--block-tokens"),
         ("demo --block-tokens 7", ["demo", "--block-tokens", "7"], "block"),
         ("serve --port -1", ["serve", "--port", "-1"], "--port"),
+        ("serve --api-key-file FIFO", ["serve", "--port", "0", "--api-key-file", fx.fifo], "not a regular file"),
+        ("serve --api-key-file /dev/zero", ["serve", "--port", "0", "--api-key-file", "/dev/zero"],
+         "not a regular file"),
+        ("serve --api-key-file binary", ["serve", "--port", "0", "--api-key-file", fx.garbage], "not UTF-8"),
         ("cache gc --capacity 1e-9G", ["cache", "gc", store, "--capacity", "1e-9G"], "less than one record"),
         ("cache gc --capacity 100", ["cache", "gc", store, "--capacity", "100"], "less than one record"),
     ]

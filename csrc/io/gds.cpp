@@ -140,11 +140,34 @@ int64_t GdsFile::write(const void* dev_ptr, uint64_t size, uint64_t file_offset,
   return n;
 }
 
+// The CUfileOpError's enum name (CU_FILE_HANDLE_NOT_REGISTERED), from cufile.h's own
+// X-macro list, so that a log names the error as the header and NVIDIA's docs do; nullptr
+// for a code the header does not list (a newer library) or a header without the list.
+namespace {
+const char* cufile_error_name(int64_t c) {
+#ifdef CUFILEOP_STATUS_ENTRIES
+  switch (c) {
+#define CUFILE_OP(code, name, string) \
+  case code:                          \
+    return #name;
+    CUFILEOP_STATUS_ENTRIES
+#undef CUFILE_OP
+    default:
+      break;
+  }
+#endif
+  (void)c;
+  return nullptr;
+}
+}  // namespace
+
 std::string gds_error_string(int64_t code) {
   const int64_t c = code < 0 ? -code : code;
   if (c < CUFILEOP_BASE_ERR) return std::strerror(static_cast<int>(c));
-  return "cuFile error " + std::to_string(c) + " (" +
-         cufileop_status_error(static_cast<CUfileOpError>(c)) + ")";
+  const char* name = cufile_error_name(c);
+  const std::string head = "cuFile error " + std::to_string(c);
+  if (!name) return head + " (not listed in the cufile.h dsv41 was built with)";
+  return head + " " + name + " (" + cufileop_status_error(static_cast<CUfileOpError>(c)) + ")";
 }
 
 }  // namespace io

@@ -55,7 +55,7 @@ def test_ssd_hits_are_promoted_into_device_memory_bit_exact(tmp_path, gds, monke
                         weights_id=WEIGHTS_ID)
     if not gds:
         monkeypatch.setattr(type(cache.store), "gds_available", property(lambda self: False))
-    assert cache.pool.storage.is_cuda
+    assert cache.pool.arrays and all(a.is_cuda for a in cache.pool.arrays.values())
     rng = np.random.default_rng(1)
     prompt = rand_tokens(rng, 6 * B)
     want = torch.from_numpy(chain_payloads(prompt, cache.key("a")))

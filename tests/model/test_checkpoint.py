@@ -227,3 +227,63 @@ def test_a_damaged_shard_is_named_with_what_is_wrong(saved, tmp_path):
     (path / "model.safetensors.index.json").write_text('{"weight_map": ')
     with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not JSON"):
         Model.from_pretrained(path)
+
+
+def test_a_hostile_index_is_refused_without_reading_it(saved, tmp_path, monkeypatch):
+    """The index is read whole, so only a regular file of bounded size is read at all (a
+    FIFO would block the load, /dev/zero never end): issue 29 item 4."""
+    import os
+
+    from dsv41.model import checkpoint
+    path = _copy(saved, tmp_path)
+    index = path / "model.safetensors.index.json"
+    good = index.read_bytes()
+    index.unlink()
+    os.mkfifo(index)
+    with pytest.raises(CheckpointError, match=r"index\.json is not a regular file"):
+        Model.from_pretrained(path)
+    index.unlink()
+    index.symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match=r"index\.json is not a regular file"):
+        Model.from_pretrained(path)
+    index.unlink()
+    index.write_bytes(good)
+    monkeypatch.setattr(checkpoint, "INDEX_MAX_BYTES", len(good) - 1)
+    with pytest.raises(CheckpointError, match=rf"index\.json is more than the {len(good) - 1:,} bytes allowed"):
+        Model.from_pretrained(path)
+    monkeypatch.undo()
+    for text, msg in (("[1, 2]", "expected a JSON object at the top level"), ('{"weight_map": [1]}', "weight_map"),
+                      ('{"weight_map": {"a": NaN}}', "NaN"), (b'{"\xff": 1}', "not UTF-8")):
+        index.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(CheckpointError, match=msg):
+            Model.from_pretrained(path)
+
+
+@pytest.mark.parametrize("section,msg", [
+    ([1], r'the "dsv41" key must hold a JSON object, got an array'),
+    ("v1", r'the "dsv41" key must hold a JSON object, got a string'),
+    ({"model_options": 3}, r'"dsv41"\."model_options" must be a JSON object, got a number'),
+    ({"model_options": {"bogus": 1}}, r'"dsv41"\."model_options" holds unknown options bogus'),
+    ({"model_options": {"indexer_rotation": "yes"}}, r'"dsv41"\."model_options"\."indexer_rotation" must be bool, '
+                                                     r'got a string'),
+])
+def test_a_malformed_dsv41_key_is_named(saved, tmp_path, section, msg):
+    """The "dsv41" key of config.json (save_pretrained's model options) is checked: a value
+    of the wrong shape is a one-line error naming the key, not an AttributeError."""
+    path = _copy(saved, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["dsv41"] = section
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: " + msg):
+        Model.from_pretrained(path)
+
+
+def test_the_dsv41_key_is_optional_and_kv_dtype_in_it_ignored(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["dsv41"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert Model.from_pretrained(path).options == {"indexer_rotation": True}
+    cfg["dsv41"] = {"model_options": {"indexer_rotation": True, "kv_dtype": "fp8"}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert Model.from_pretrained(path).options == {"indexer_rotation": True}

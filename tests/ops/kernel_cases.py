@@ -58,15 +58,21 @@ def to_device(args: dict) -> dict:
     return {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
 
+def _gathered_keys(args: dict):
+    """Each query's keys [T, L, D] (SWA slots, then global entries; dequantized, exact in
+    bf16) and which are valid [T, L]."""
+    swa = formats.dequantize_fp8_swa(args["swa_values"], args["swa_scales"])
+    kv = formats.dequantize_nvfp4(args["kv_codes"], args["kv_scales"])
+    si, ki = args["swa_idx"].long(), args["kv_idx"].long()
+    keys = torch.cat((swa[si.clamp(min=0)], kv[ki.clamp(min=0)]), 1)
+    return keys, torch.cat((si >= 0, ki >= 0), 1)
+
+
 def bf16_attention(args: dict):
     """The same math in bf16 torch ops: gather + dequantize (exact), bf16 q and keys, bf16
     matmuls (fp32 accumulation, bf16 results), fp32 softmax."""
     q, sink, scale = args["q"], args["sink"], args["softmax_scale"]
-    swa = formats.dequantize_fp8_swa(args["swa_values"], args["swa_scales"])
-    kv = formats.dequantize_nvfp4(args["kv_codes"], args["kv_scales"])
-    si, ki = args["swa_idx"].long(), args["kv_idx"].long()
-    keys = torch.cat((swa[si.clamp(min=0)], kv[ki.clamp(min=0)]), 1)  # [T, L, D]
-    valid = torch.cat((si >= 0, ki >= 0), 1)
+    keys, valid = _gathered_keys(args)
     kb = keys.bfloat16()
     s = torch.bmm(q.bfloat16(), kb.transpose(1, 2)).float() * scale
     s = s.masked_fill(~valid[:, None, :], -math.inf)
@@ -75,6 +81,21 @@ def bf16_attention(args: dict):
     o = torch.bmm(p.bfloat16(), kb).float()
     out = o * torch.sigmoid(lse - sink)[..., None]
     return out, lse
+
+
+def attention_of_magnitudes(args: dict) -> torch.Tensor:
+    """sigmoid(lse - sink[h]) * sum_j p_j |v_j| per (t, h, d), float64: the attention output
+    with every value replaced by its magnitude (p the softmax weights of bf16 q against the
+    bf16 keys, as the kernels compute them). It bounds what a relative error of each p_j can
+    move out[t, h, d]: sum_j p_j e_j v_j <= max|e_j| * this. 0 for a query without keys."""
+    q, sink, scale = args["q"], args["sink"], args["softmax_scale"]
+    keys, valid = _gathered_keys(args)
+    kb = keys.bfloat16().double()
+    s = torch.bmm(q.bfloat16().double(), kb.transpose(1, 2)) * scale
+    s = s.masked_fill(~valid[:, None, :], -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(torch.isfinite(lse)[..., None], torch.exp(s - lse[..., None]), 0.0)
+    return torch.bmm(p, kb.abs()) * torch.sigmoid(lse - sink.double())[..., None]
 
 
 def assert_within_bf16_error(got, ref, base, atol: float, what: str):

@@ -92,7 +92,10 @@ def test_copy_blocks_cuda_bit_exact(block, engine, gen):
     n_dev, n_host = 40, 30
     dev = torch.randint(0, 256, (n_dev, block), generator=gen, dtype=torch.int64).to(torch.uint8).cuda()
     host = torch.randint(0, 256, (n_host, block), generator=gen, dtype=torch.int64).to(torch.uint8).pin_memory()
-    dev0, host0 = dev.clone(), host.clone()
+    # clone() allocates pageable memory even from a pinned tensor; the host -> device copy
+    # below reads host0, and the op refuses pageable host pools, so pin the snapshot.
+    dev0, host0 = dev.clone(), host.clone().pin_memory()
+    assert host.is_pinned() and host0.is_pinned()
     # device -> pinned host
     cache_ops.copy_blocks(dev, [0, 17, 39, 5, 6], host, [29, 0, 3, 4, 5], engine)  # 5, 6 -> 4, 5: one run
     torch.cuda.synchronize()
@@ -118,5 +121,11 @@ def test_copy_blocks_cuda_bit_exact(block, engine, gen):
 def test_copy_blocks_rejects_pageable_host():
     dev = torch.zeros(2, 64, dtype=torch.uint8, device="cuda")
     host = torch.zeros(2, 64, dtype=torch.uint8)  # not pinned
+    assert not host.is_pinned()
     with pytest.raises(RuntimeError, match="pinned"):
-        cache_ops.copy_blocks(dev, [0], host, [1])
+        cache_ops.copy_blocks(dev, [0], host, [1])  # device -> pageable host
+    with pytest.raises(RuntimeError, match="pinned"):
+        cache_ops.copy_blocks(host, [0], dev, [1])  # pageable host -> device
+    for engine in ("kernel", "copy_engine"):
+        with pytest.raises(RuntimeError, match="pinned"):
+            cache_ops.copy_blocks(host.clone(), [0], dev, [1], engine)  # a clone is pageable

@@ -5,11 +5,13 @@ attacker sends the same prompt with each digit in turn and watches which one the
 knows (cached_tokens, or the prefill work behind the time to first token)."""
 from __future__ import annotations
 
+import os
+
 import httpx
 import openai
 import pytest
 
-from dsv41.server.tenancy import ApiKeys, Tenancy, Tenant
+from dsv41.server.tenancy import KEY_FILE_MAX_BYTES, ApiKeys, Tenancy, Tenant
 
 from .conftest import BLOCK, LiveServer
 
@@ -145,6 +147,27 @@ def test_namespaces_are_injective_and_never_hold_a_key(tmp_path):
         bad.write_text(text)
         with pytest.raises(ValueError, match=msg):
             ApiKeys.load(key_file=bad)
+
+
+def test_key_file_is_read_bounded(tmp_path):
+    """A key file is read whole, so only a regular file of bounded size is read at all: a
+    FIFO would block the server's start and /dev/zero would never end (issue 29 item 4)."""
+    good = tmp_path / "keys.txt"
+    good.write_text("# ops\nk1 team\n\nk2 team\nk3\n")
+    keys = ApiKeys.load(key_file=good)
+    assert len(keys) == 3 and keys.tenant("k1") == keys.tenant("k2") == Tenant("team")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.txt"
+    big.write_text("k1\n" * (KEY_FILE_MAX_BYTES // 3 + 1))
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"k1 \xff\xfe\n")
+    for path, msg in ((fifo, "not a regular file"), ("/dev/zero", "not a regular file"),
+                      (tmp_path, "a directory"), (big, "allowed"), (binary, "not UTF-8")):
+        with pytest.raises(ValueError, match=msg):
+            ApiKeys.load(key_file=path)
+    with pytest.raises(FileNotFoundError):
+        ApiKeys.load(key_file=tmp_path / "missing")
 
 
 def test_shared_prefix_hit_equals_uncached_output(live_exact):

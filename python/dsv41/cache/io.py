@@ -27,8 +27,8 @@ from .._ext import _C
 
 __all__ = ["IOEngine", "OpenFile", "AlignedBuffer", "GdsFile", "ALIGN", "RECORD_ALIGN", "HUGE_BYTES", "crc32c",
            "crc32c_lead_rows", "crc32c_sw", "crc32c_combine", "crc32c_device", "check_heads", "io_info", "align_up",
-           "gds_error_string", "gds_probe", "FAULT_REFUSE_DIRECT_OPEN", "FAULT_REFUSE_DIRECT_IO", "FAULT_NO_SPACE",
-           "FAULT_SLOW_SEAL", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME", "SEAL_DIR_SYNC", "SEAL_DONE"]
+           "gds_error_string", "gds_probe", "GDS_PROBE_STEPS", "FAULT_REFUSE_DIRECT_OPEN", "FAULT_REFUSE_DIRECT_IO",
+           "FAULT_NO_SPACE", "FAULT_SLOW_SEAL", "SEAL_WRITES", "SEAL_SYNC", "SEAL_RENAME", "SEAL_DIR_SYNC", "SEAL_DONE"]
 
 _io = _C.io
 ALIGN: int = _io.ALIGN
@@ -228,12 +228,17 @@ def gds_error_string(code: int) -> str:
 
 _probed: dict[str, str | None] = {}
 
+# The steps of gds_probe, in order; a failure is reported as "<step> failed: <why>".
+GDS_PROBE_STEPS = ("write the probe file", "open it for cuFile (driver, open, cuFileHandleRegister)",
+                   "cuFileRead into device memory", "compare the bytes read")
+
 
 def gds_probe(directory: str | None = None) -> str | None:
     """None when a GPUDirect Storage read works in `directory` (default: the temporary
     directory): a known pattern is written there through the page cache, read back by
     cuFile into device memory at a page offset, as the store reads, and compared.
-    Otherwise the step that failed and why. Driver open alone proves little: a cuFile
+    Otherwise "<step> failed: <why>", the step one of GDS_PROBE_STEPS and the why with
+    cuFile's error name where cuFile gave one. Driver open alone proves little: a cuFile
     that opens may still refuse the file (the filesystem, O_DIRECT) or fail the read
     (compatibility mode, the CUDA context). Cached per directory for the process."""
     directory = os.fspath(directory or tempfile.gettempdir())
@@ -241,31 +246,35 @@ def gds_probe(directory: str | None = None) -> str | None:
         return _probed[directory]
     import torch
 
+    write, open_, read, compare = GDS_PROBE_STEPS
     page = ALIGN
     want = (np.arange(2 * page, dtype=np.int64) * 7 + 3).astype(np.uint8)
     why = None
     try:
         fd, path = tempfile.mkstemp(prefix=".tmp-dsv41-gds-probe-", dir=directory)
     except OSError as e:
-        why = f"cannot write a probe file in {directory}: {e.strerror or e}"
+        why = f"{write} failed: cannot create it in {directory}: {e.strerror or e}"
     else:
+        step = write
         try:
             os.write(fd, want.tobytes())
             os.fsync(fd)
             os.close(fd)
             fd = -1
+            step = open_
             f = _io.GdsFile(path, False)
+            step = read
             dev = torch.zeros(3 * page, dtype=torch.uint8, device="cuda")
             n = f.read(dev, 2 * page, 0, page)
             if n < 0:
-                why = f"cuFileRead failed: {gds_error_string(n)}"
+                why = f"{read} failed: {gds_error_string(n)}"
             elif n != 2 * page:
-                why = f"cuFileRead read {n} of {2 * page} bytes"
+                why = f"{read} failed: read {n} of {2 * page} bytes"
             elif not np.array_equal(dev[page:].cpu().numpy(), want):
-                why = "cuFileRead returned other bytes than the file holds"
+                why = f"{compare} failed: cuFileRead returned other bytes than the file holds"
             del f
         except (RuntimeError, OSError) as e:
-            why = str(e)
+            why = f"{step} failed: {e}"
         finally:
             if fd >= 0:
                 os.close(fd)

@@ -173,14 +173,15 @@ def to_hf_dict(cfg) -> dict[str, Any]:
     return out
 
 
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+def read_config_file(path: str | os.PathLike, max_bytes: int = CONFIG_MAX_BYTES) -> dict[str, Any]:
     """The JSON object in a config file, or ConfigError: not a regular file (a FIFO or
-    /dev/zero would block or never end), over CONFIG_MAX_BYTES, not UTF-8, not JSON, NaN or
-    Infinity, nested deeper than CONFIG_MAX_DEPTH, an integer of 2**53 or more, or not an
-    object at the top level. OSError when it cannot be opened (missing, permissions)."""
+    /dev/zero would block or never end), over max_bytes (CONFIG_MAX_BYTES unless a larger
+    document, such as a checkpoint's index, is read), not UTF-8, not JSON, NaN or Infinity,
+    nested deeper than CONFIG_MAX_DEPTH, an integer of 2**53 or more, or not an object at
+    the top level. OSError when it cannot be opened (missing, permissions)."""
     where = os.fspath(path)
     try:
-        raw = read_regular_file(path, CONFIG_MAX_BYTES)
+        raw = read_regular_file(path, max_bytes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     try:

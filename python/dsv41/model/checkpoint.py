@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..config.json_io import read_config_file
 from .production import place_quantized, take_quantized
 from .safetensors_file import ShardError, read_header
@@ -43,10 +43,15 @@ from .weights import (
 from .weights_id import check_weights_id, record_weights_digest, recorded_weights_digest
 
 __all__ = ["CheckpointError", "save_pretrained", "load_pretrained", "shard_files", "digest_checkpoint",
-           "CONFIG_NAME", "INDEX_NAME"]
+           "CONFIG_NAME", "INDEX_NAME", "INDEX_MAX_BYTES", "MODEL_OPTIONS"]
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
+# The index is one ~100-byte line per tensor: 64 MiB holds over half a million tensors, far
+# more than any checkpoint has, and is read whole at load.
+INDEX_MAX_BYTES = 64 << 20
+# What save_pretrained records under the config's "dsv41" key, by name and JSON type.
+MODEL_OPTIONS = {"indexer_rotation": bool}
 SINGLE_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 
@@ -97,13 +102,43 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = 2 <<
     record_weights_digest(out, weight_map.values())
 
 
+def _json_kind(value) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _stored_options(raw: dict, where: Path) -> dict:
+    """The model options save_pretrained recorded under the config's "dsv41" key (absent in
+    a config from elsewhere): {"model_options": {"indexer_rotation": bool}}. kv_dtype, a
+    load-time choice, is ignored. CheckpointError naming the key for anything else."""
+    section = raw.get("dsv41", {})
+    if not isinstance(section, dict):
+        raise CheckpointError(f'{where}: the "dsv41" key must hold a JSON object, got {_json_kind(section)}')
+    options = section.get("model_options", {})
+    if not isinstance(options, dict):
+        raise CheckpointError(f'{where}: "dsv41"."model_options" must be a JSON object, '
+                              f"got {_json_kind(options)}")
+    options = {k: v for k, v in options.items() if k != "kv_dtype"}
+    unknown = sorted(set(options) - set(MODEL_OPTIONS))
+    if unknown:
+        raise CheckpointError(f'{where}: "dsv41"."model_options" holds unknown options {_names(unknown, 4)} '
+                              f"(known: {', '.join(MODEL_OPTIONS)})")
+    for name, kind in MODEL_OPTIONS.items():
+        if name in options and not isinstance(options[name], kind):
+            raise CheckpointError(f'{where}: "dsv41"."model_options"."{name}" must be {kind.__name__}, '
+                                  f"got {_json_kind(options[name])}")
+    return options
+
+
 def _weight_map(directory: Path) -> dict[str, str]:
     if (directory / INDEX_NAME).exists():
-        try:
-            index = json.loads((directory / INDEX_NAME).read_text())
-        except ValueError as e:
-            raise CheckpointError(f"{directory / INDEX_NAME}: not JSON ({e})") from None
-        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        try:   # bounded and checked like a config: a FIFO or /dev/zero is refused, never read
+            index = read_config_file(directory / INDEX_NAME, max_bytes=INDEX_MAX_BYTES)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        except OSError as e:
+            raise CheckpointError(f"{directory / INDEX_NAME}: {e.strerror or e}") from None
+        if not isinstance(index.get("weight_map"), dict):
             raise CheckpointError(f"{directory / INDEX_NAME}: no 'weight_map' dict")
         bad = [k for k, v in index["weight_map"].items() if not isinstance(v, str)]
         if bad:
@@ -202,8 +237,7 @@ def load_pretrained(cls, directory: str | Path, *, device: str | torch.device = 
         raise CheckpointError(f"{directory}: no {CONFIG_NAME}")
     raw = read_config_file(directory / CONFIG_NAME)
     config = ModelConfig.from_dict(raw)
-    options = dict(raw.get("dsv41", {}).get("model_options", {}))
-    options.pop("kv_dtype", None)
+    options = _stored_options(raw, directory / CONFIG_NAME)
     with torch.device("meta"):
         model = cls(config, **options, kv_dtype=kv_dtype, precision=precision)
     expected = dict(model.state_dict())

@@ -32,11 +32,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..argcheck import read_regular_file
 from .protocol import APIError
 
-__all__ = ["ApiKeys", "Tenancy", "Tenant", "CACHED_TOKENS_POLICIES"]
+__all__ = ["ApiKeys", "Tenancy", "Tenant", "CACHED_TOKENS_POLICIES", "KEY_FILE_MAX_BYTES"]
 
 CACHED_TOKENS_POLICIES = ("own", "always")
+KEY_FILE_MAX_BYTES = 1 << 20   # ~10,000 'KEY TENANT' lines; a key file is read whole
 _TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -80,12 +82,19 @@ class ApiKeys:
     def load(cls, keys=(), key_file: str | Path | None = None) -> "ApiKeys":
         """Keys given one by one (each its own tenant) and a key file: one key per line,
         optionally followed by a tenant name that keys sharing a namespace have in common;
-        blank lines and lines starting with # are skipped."""
+        blank lines and lines starting with # are skipped. The file must be a regular file
+        of at most KEY_FILE_MAX_BYTES of UTF-8 text (a FIFO or /dev/zero is refused, never
+        read): ValueError otherwise, OSError when it cannot be opened."""
         out = cls()
         for k in keys:
             out.add(k)
         if key_file is not None:
-            for n, line in enumerate(Path(key_file).read_text().splitlines(), 1):
+            raw = read_regular_file(key_file, KEY_FILE_MAX_BYTES)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{key_file}: not UTF-8 text (byte {e.start})") from None
+            for n, line in enumerate(text.splitlines(), 1):
                 words = line.split()
                 if not words or words[0].startswith("#"):
                     continue
