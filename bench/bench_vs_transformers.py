@@ -11,6 +11,10 @@ time from below).
 
     OMP_NUM_THREADS=1 PYTHONPATH=python python bench/bench_vs_transformers.py \\
         --lengths 256 1024 4096 [--warm-each] [--repeat 3] --json bench/results/vs-transformers-cpu-DATE.json
+
+--decode N adds decode: after a prefill of each length, N single-token steps on each side's
+own cache (transformers' DynamicCache, dsv41's per-sequence state), the models interleaved
+step by step; tokens/s from the median step (wall and this thread's CPU time).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +59,49 @@ def hf_model(seed: int):
     return transformers, random_deepseek_v4(cfg, seed)
 
 
+def _decode(transformers, hf, ours: dict, ids: torch.Tensor, steps: int) -> dict:
+    """Median decode step after a prefill of ids, transformers against dsv41's production
+    and float32 modes, interleaved step by step (the same next token for all: the
+    transformers model's greedy choice, so every side decodes the same sequence)."""
+    cache = transformers.DynamicCache(config=hf.config)
+    with torch.no_grad():
+        logits = hf(input_ids=ids[None], use_cache=True, past_key_values=cache).logits[0, -1]
+    states = {}
+    for mode in ("production", "float32"):
+        states[mode] = ours[mode].new_state()
+        ours[mode].prefill(ids, states[mode])
+    times = {k: ([], []) for k in ("transformers", "dsv41_production", "dsv41_float32")}
+    for _ in range(steps):
+        tok = int(logits.argmax())
+        t0, c0 = time.perf_counter(), time.thread_time()
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([[tok]]), use_cache=True,
+                        past_key_values=cache).logits[0, -1]
+        times["transformers"][0].append(time.perf_counter() - t0)
+        times["transformers"][1].append(time.thread_time() - c0)
+        for mode in ("production", "float32"):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            ours[mode].decode_step(tok, states[mode])
+            times[f"dsv41_{mode}"][0].append(time.perf_counter() - t0)
+            times[f"dsv41_{mode}"][1].append(time.thread_time() - c0)
+    out = {"decode_steps": steps}
+    for k, (wall, cpu) in times.items():
+        out[f"decode_{k}_ms"] = statistics.median(wall) * 1e3
+        out[f"decode_{k}_cpu_ms"] = statistics.median(cpu) * 1e3
+        out[f"decode_{k}_tokens_per_s"] = 1e3 / out[f"decode_{k}_ms"]
+    for mode in ("production", "float32"):
+        out[f"decode_dsv41_{mode}_vs_transformers_speed"] = (
+            out["decode_transformers_ms"] / out[f"decode_dsv41_{mode}_ms"])
+        out[f"decode_dsv41_{mode}_vs_transformers_cpu_speed"] = (
+            out["decode_transformers_cpu_ms"] / out[f"decode_dsv41_{mode}_cpu_ms"])
+    print(f"  decode after {ids.numel()}: transformers {out['decode_transformers_ms']:.1f} ms, "
+          f"dsv41 production {out['decode_dsv41_production_ms']:.1f} ms "
+          f"({out['decode_dsv41_production_vs_transformers_speed']:.2f}x wall, "
+          f"{out['decode_dsv41_production_vs_transformers_cpu_speed']:.2f}x CPU), float32 "
+          f"{out['decode_dsv41_float32_ms']:.1f} ms", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", nargs="+", type=int, default=[256, 1024, 4096])
@@ -67,6 +115,10 @@ def main() -> int:
                          "report the fastest (wall and CPU time separately; all samples are "
                          "kept in the JSON): on a loaded machine one sample mostly measures "
                          "the other tenants")
+    ap.add_argument("--decode", type=int, default=0,
+                    help="also time this many decode steps after each length's prefill")
+    ap.add_argument("--skip-prefill", action="store_true",
+                    help="with --decode: time decode only")
     args = ap.parse_args()
     transformers, hf = hf_model(args.seed)
     with tempfile.TemporaryDirectory() as d:
@@ -102,6 +154,11 @@ def main() -> int:
                      for mode, m in ours.items()})
         samples = {k: ([], []) for k in runs}
         outs = {}
+        if args.decode:
+            row.update(_decode(transformers, hf, ours, ids, args.decode))
+        if args.skip_prefill:
+            rows.append(row)
+            continue
         for _ in range(args.repeat):
             for k, fn in runs.items():
                 t0, c0 = time.perf_counter(), time.thread_time()

@@ -44,26 +44,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from dsv41 import Model, ModelConfig  # noqa: E402
+from dsv41.config.flash_width import flash_width  # noqa: E402
 
 SEED = 0
-
-
-def flash_width(layers: int, experts: int) -> ModelConfig:
-    """v41-flash's dimensions on `layers` layers: one SWA-only layer, then ratio-2 (CSA)
-    encoder layers and ratio-1 decoder layers, in v41-flash's proportions; the first layer
-    of each ratio is its KV and index source, the first ratio-1 layer the candidate source."""
-    if layers < 3:
-        raise SystemExit("--flash-layers must be >= 3 (an SWA, a ratio-2 and a ratio-1 layer)")
-    flash = ModelConfig.preset("v41-flash")
-    csa = (layers - 1) // 2
-    ratios = (0,) + (2,) * csa + (1,) * (layers - 1 - csa)
-    first2, first1 = ratios.index(2), ratios.index(1)
-    return flash.replace(
-        name=f"v41-flash-width-{layers}l-{experts}e", num_layers=layers, compress_ratios=ratios,
-        num_encoder_layers=first1, n_routed_experts=experts,
-        num_experts_per_tok=min(flash.num_experts_per_tok, experts),
-        kv_source_layer_ids=(first2, first1), index_source_layer_ids=(first2, first1),
-        candidate_source_layer_id=first1, num_nextn_predict_layers=0)
 
 
 class Session:
@@ -211,7 +194,11 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"unknown paths {unknown}; known: {list(PATHS)}")
 
-    cfg = ModelConfig.preset(args.preset) if args.preset else flash_width(args.flash_layers, args.flash_experts)
+    try:
+        cfg = (ModelConfig.preset(args.preset) if args.preset
+               else flash_width(args.flash_layers, args.flash_experts))
+    except ValueError as e:
+        raise SystemExit(f"gpu_model: {e}")
     t_start = time.perf_counter()
     gen = torch.Generator().manual_seed(SEED)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen)

@@ -364,12 +364,56 @@ def gpu_table() -> str:
     return head + _table(["kernel", "shape", "us", "TFLOP/s", "torch baseline us", "baseline / kernel"], rows)
 
 
+def decode_table() -> str:
+    rows = []
+    for p in sorted(RESULTS.glob("bench_decode_*.json")):
+        d = _load(p.name)
+        m = d["machine"]
+        where = m["gpu"] or f"{m['cpus']} cores, {m['threads']} thread, load {m['load'][0]:.1f}"
+        for r in d["batches"]:
+            med, po = r["median_ms"], r["paged_ops"]
+            ro = r.get("reference_ops")
+            rows.append([f"`{p.name}`", d["date"], d["commit"] or "none", where, d["preset"],
+                         str(r["batch"]), str(r["context"]), _f(med["paged_ms"], 1),
+                         _f(med.get("paged_graphs_ms"), 2) if "paged_graphs_ms" in med else "-",
+                         _f(med["reference_ms"], 1) if "reference_ms" in med else "-",
+                         _f(r.get("ratio_paged_vs_reference")),
+                         f"{po['ops_per_layer']:.1f} / {ro['ops_per_layer']:.1f}" if ro else f"{po['ops_per_layer']:.1f}",
+                         f"{po['launches_per_layer']:.1f}",
+                         f"{po['host_syncs']} / {ro['host_syncs']}" if ro else str(po["host_syncs"]),
+                         _f(r["ops_ratio_vs_batch1"])])
+    return _table(["file", "date", "commit", "machine", "model", "batch", "context", "paged ms/step",
+                   "graphs ms/step", "per-sequence ms/step", "per-sequence / paged",
+                   "aten ops/layer: paged / per-sequence", "launches/layer (paged)",
+                   "host syncs/step: paged / per-sequence", "paged ops vs batch 1"], rows)
+
+
+def transformers_decode_table() -> str:
+    rows = []
+    for name in sorted(p.name for p in RESULTS.glob("vs-transformers-decode-cpu-*.json")):
+        d = _load(name)
+        for r in d["results"]:
+            rows.append([f"`{name}`", _args(d.get("command"), "bench_vs_transformers.py"), _date(d), d["commit"],
+                         f"1 thread, load {r['load_average_1m_before']:.1f}", str(r["tokens"]),
+                         str(r["decode_steps"]),
+                         f"{r['decode_transformers_ms']:.1f} / {r['decode_transformers_cpu_ms']:.1f}",
+                         f"{r['decode_dsv41_production_ms']:.1f} / {r['decode_dsv41_production_cpu_ms']:.1f}",
+                         f"{r['decode_dsv41_float32_ms']:.1f} / {r['decode_dsv41_float32_cpu_ms']:.1f}",
+                         _f(r["decode_dsv41_production_vs_transformers_speed"]),
+                         _f(r["decode_dsv41_production_vs_transformers_cpu_speed"])])
+    return _table(["file", "command (`bench/bench_vs_transformers.py ...`)", "date", "commit", "machine",
+                   "context", "steps", "transformers ms/step (wall / CPU)",
+                   "dsv41 production ms/step (wall / CPU)", "dsv41 float32 KV ms/step (wall / CPU)",
+                   "production / transformers", "production / transformers, CPU time"], rows)
+
+
 def tables() -> dict[str, str]:
     thr, ttft = replay_tables()
     return {"store": store_table(), "remote": remote_table(), "remote-resume": resume_table(),
             "replay-throughput": thr, "replay-ttft": ttft, "model": model_table(),
-            "transformers": transformers_table(), "v4-scheme": v4_scheme_table(), "serve": serve_table(),
-            "tiers": tiers_table(),
+            "transformers": transformers_table(), "transformers-decode": transformers_decode_table(),
+            "v4-scheme": v4_scheme_table(), "serve": serve_table(),
+            "tiers": tiers_table(), "decode": decode_table(),
             "kv-formats": formats_table(), "codecs": codecs_table(), "micro": micro_table(), "gpu": gpu_table()}
 
 

@@ -66,8 +66,10 @@ def main(store: str) -> None:
             cache.insert(p, torch.zeros(1, 3, dtype=torch.uint8))
         except PayloadError:
             out["insert_raised"] = True
-    with make_cache(model, store, Clock()) as cache:  # a new process's view: SSD tier only
-        ssd = Engine(model, cache=cache).generate([p], sp)[0]
+    # a new process's view (SSD tier only), on the reference runtime: the paged runtime maps
+    # pages in place, the reference one reads them out (cache.read_blocks); both are traced
+    with make_cache(model, store, Clock()) as cache:
+        ssd = Engine(model, cache=cache, runtime="reference").generate([p], sp)[0]
     out["runs"] = {"cold": stats(cold), "both_hit": stats(both), "encoder_replay": stats(replay),
                    "ssd": stats(ssd)}
     # an op raising inside nested ranges

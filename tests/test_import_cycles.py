@@ -21,15 +21,10 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "python" / "dsv41"
 
-# The circles that exist outside the persistent store today, each removed by its owner's
-# issue. A circle that is gone (or changed) fails the test too: then update this list,
-# so that it always says exactly what is left. The store's own circle is gone (issue 32),
-# and so are config/'s and the cache manager's with the remote hook.
-ALLOWED = {
-    # issue 32 item 1 (model/): the production path and the layers it builds
-    frozenset({"dsv41.model.production", "dsv41.model.layers", "dsv41.model.fp8_gemm",
-               "dsv41.model.moe_grouped"}),
-}
+# The circles that exist today (none): a new one fails the test. The store's circle, config/'s,
+# the cache manager's with the remote hook, and the production path's with the layers it
+# builds (model/gemm.py now holds the per-row math both use) are gone (issue 32).
+ALLOWED: set[frozenset[str]] = set()
 
 
 def _modules(pkg: Path = PKG) -> dict[str, Path | None]:

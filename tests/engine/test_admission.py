@@ -11,6 +11,12 @@ def referenced(cache) -> int:
     return cache.pool.stats()["referenced_blocks"]
 
 
+def private(cache) -> int:
+    """Pages running sequences write in place (the paged runtime's; they are in the cache's
+    pool too, referenced by their sequence until the cache adopts them)."""
+    return cache.pool.stats()["private_blocks"]
+
+
 def test_refused_prompt_is_not_planned_and_pins_nothing(tiny_model, make_cache):
     cache, _ = make_cache()
     eng = Engine(tiny_model, cache=cache, max_prefill_tokens=40)
@@ -25,9 +31,10 @@ def test_refused_prompt_is_not_planned_and_pins_nothing(tiny_model, make_cache):
     # blocks it wrote back after its prefill
     assert [s.request_id for s in eng.scheduler.waiting] == [b]
     waiting = eng.scheduler.waiting[0]
-    assert waiting.plan is None and waiting.match is None and waiting.state is None
+    assert waiting.plan is None and waiting.match is None and waiting.state is None and waiting.kv is None
     assert cache.metrics.lookups.value() == lookups + 1
-    assert referenced(cache) == 40 // BLOCK
+    assert referenced(cache) - private(cache) == 40 // BLOCK
+    assert private(cache) == (1 if eng.runtime.name == "paged" else 0)   # a's partial page
     (running,) = eng.scheduler.running
     assert running.request_id == a
     # b is admitted next step and finds the prefix cached then

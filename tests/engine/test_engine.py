@@ -91,18 +91,38 @@ def test_demo_cli_json(tmp_path, capsys):
     assert res2["summary"]["warmup"]["ssd_hit_tokens"] > 0
 
 
+def test_demo_runs_on_either_runtime_with_the_same_turns(tmp_path, capsys):
+    from dsv41.cli import main
+    base = ["demo", "--json", "--quiet", "--conversations", "2", "--turns", "2",
+            "--system-tokens", "16", "--tools-tokens", "16", "--repo-tokens", "32",
+            "--user-tokens", "8", "--tool-tokens", "8", "--max-new-tokens", "2"]
+    turns = {}
+    for rt in ("reference", "paged"):
+        assert main(base + ["--runtime", rt, "--cache-dir", str(tmp_path / rt)]) == 0
+        turns[rt] = [(t["path"], t.get("output_tokens"), t.get("prefill_tokens"))
+                     for t in json.loads(capsys.readouterr().out)["turns"]]
+    assert turns["reference"] == turns["paged"]
+
+
 def test_memory_stats_count_the_pools_a_request_uses(tiny_model, make_cache):
+    assert Engine(tiny_model, runtime="reference").memory_stats() == {}
+    own = Engine(tiny_model, kv_memory_bytes=1 << 20).memory_stats()   # paged, its own pool
+    assert own["global_kv"]["unit"] == "pages" and own["global_kv"]["used"] == 0
+    assert own["sequence_slots"] == {"used": 0, "free": 8, "total": 8, "unit": "slots",
+                                     "bytes": own["sequence_slots"]["bytes"]}
     cache, _ = make_cache()
     eng = Engine(tiny_model, cache=cache)
-    assert Engine(tiny_model).memory_stats() == {}
     before = eng.memory_stats()
     gpu = before["global_kv"]
     assert gpu["unit"] == "pages" and gpu["used"] == 0 and gpu["free"] == gpu["total"] > 0
     eng.generate([tokens(30, 40)], SamplingParams(max_new_tokens=3))
     after = eng.memory_stats()
-    # 40 prompt + 2 fed-back output tokens: two full 16-token blocks stay cached, unreferenced
+    # 40 prompt + 2 fed-back output tokens: two full 16-token blocks stay cached, unreferenced;
+    # the sequence's partial page went back to the pool with its slot
     assert after["global_kv"]["used"] == 2 and after["global_kv"]["referenced"] == 0
     assert after["global_kv"]["used"] + after["global_kv"]["free"] == gpu["total"]
+    assert after["sequence_slots"]["used"] == 0
     swa = after["swa_snapshots"]
     assert swa["unit"] == "bytes" and 0 < swa["used"] and swa["used"] + swa["free"] == swa["total"]
     assert eng.counters["preemptions"] == 0
+    assert eng.request_counts() == {"waiting": 0, "running": 0}

@@ -15,7 +15,7 @@ import pytest
 import torch
 from dsv41 import Model
 from dsv41.config import ModelConfig
-from dsv41.model import production
+from dsv41.model import gemm, production
 from dsv41.model.layers import Linear
 from dsv41.model.weights import dequantize_fp4, dequantize_fp8
 
@@ -189,7 +189,7 @@ def test_fp8_weights_stay_fp8():
     w = m.layers[0].attn.wq_a
     full = dequantize_fp8(w.weight, w.weight_scale, (128, 128), "wq_a").to(torch.bfloat16)
     # bf16 outputs; a tolerance because GEMM kernels may block differently per shape
-    torch.testing.assert_close(production.linear(x, w).float(), torch.nn.functional.linear(
+    torch.testing.assert_close(gemm.linear(x, w).float(), torch.nn.functional.linear(
         x.to(torch.bfloat16), full).float(), rtol=1e-2, atol=1e-2)
     toks = _tokens(c, 64)
     assert torch.isfinite(m.prefill(toks, m.new_state())).all()
@@ -202,11 +202,11 @@ def test_tiles_cover_a_weight(monkeypatch):
     codes = torch.randint(-128, 128, (300, 32), dtype=torch.int8)
     scale = torch.randint(120, 130, (300, 2), dtype=torch.uint8)
     production.set_weight(lin, codes, scale)
-    monkeypatch.setattr(production, "TILE_BYTES", 64 * 2 * 128)
+    monkeypatch.setattr(gemm, "TILE_BYTES", 64 * 2 * 128)
     x = torch.randn(3, 64)
     full = dequantize_fp4(codes, scale, "w").to(torch.bfloat16)
     # scales differ by up to 2^10 between rows: a misplaced tile would be far off
-    torch.testing.assert_close(production.linear(x, lin).float(), torch.nn.functional.linear(
+    torch.testing.assert_close(gemm.linear(x, lin).float(), torch.nn.functional.linear(
         x.to(torch.bfloat16), full).float(), rtol=1e-2, atol=1e-2)
 
 
@@ -256,7 +256,7 @@ def test_loader_keeps_fp8_and_fp4(tmp_path):
     n = 0
     for name, lin in prod.named_modules():
         if isinstance(lin, Linear) and lin.weight.dtype != torch.bfloat16:
-            full = production.dequantize_rows(lin, 0, lin.out_features)
+            full = gemm.dequantize_rows(lin, 0, lin.out_features)
             assert torch.equal(full, ref_params[f"{name}.weight"].to(torch.bfloat16)), name
             n += 1
     assert n > 10

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from dsv41 import Model
 from dsv41.config import ModelConfig
-from dsv41.model import fp8_gemm, moe_grouped, production
+from dsv41.model import fp8_gemm, gemm, moe_grouped, production
 from dsv41.model.layers import Linear
 
 # ---- FP8 block-scaled GEMM ---------------------------------------------------------------
@@ -106,10 +106,10 @@ def test_emulated_scaled_mm_matches_dequant_path(M):
     lin = _fp8_linear(272, 384)
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, 384, generator=g).bfloat16()
-    want = production.linear(x, lin).float()
+    want = gemm.linear(x, lin).float()
     codes, scale = fp8_gemm.quantize_act_1x128(x)
     got = fp8_gemm.scaled_mm_emulated(codes, scale, lin.weight, lin.weight_scale).float()
-    w = production.dequantize_rows(lin, 0, 272).float()
+    w = gemm.dequantize_rows(lin, 0, 272).float()
     bound = 2 ** -4 * (x.float().abs() @ w.abs().T) + 2 ** -7 * want.abs() + 1e-3
     assert ((got - want).abs() <= bound).all()
     rel = (got - want).norm() / want.norm()
@@ -176,24 +176,32 @@ def test_grouped_moe_matches_the_loop(prod_model, T, layer):
                {"path": "padded_bmm"}):
         torch.testing.assert_close(production.moe_forward(moe, x, tok, **kw), want, **tol,
                                    msg=lambda s, kw=kw: f"{kw}: {s}")
-    assert production._moe_path(moe, x.device) == "padded_bmm"
+    assert production.moe_path(moe, x.device) == "padded_bmm"
     torch.testing.assert_close(moe(x, tok), want, **tol)
 
 
-def test_padded_bmm_declines_sparse_calls(prod_model):
-    """Few rows over many experts (decode) would be mostly padding: the loop runs instead."""
+def test_padded_bmm_pads_small_calls_to_their_token_count_and_declines_sparse_ones(prod_model):
+    """A decode-sized call pads every group to its token count (no count is read on the
+    host) and equals each group's own GEMMs; a large call with sparse groups would be mostly
+    padding, so it declines and the loop runs instead."""
     c, m = prod_model
     moe = m.layers[1].ffn
-    xs = torch.randn(2, c.hidden_size).bfloat16()
-    counts = torch.zeros(len(moe.experts), dtype=torch.int64)
-    counts[0] = 2
-    E = len(moe.experts)
-    if E * 2 > 2 * 2 + 16:
-        assert moe_grouped.run_routed(moe, "padded_bmm", xs, counts) is None
-    counts = torch.full((E,), 4)
-    out = moe_grouped.run_routed(moe, "padded_bmm", torch.randn(4 * E, c.hidden_size).bfloat16(),
-                                 counts)
-    assert out is not None and out.shape == (4 * E, c.hidden_size)
+    w13, _ = moe_grouped.stacked_weights(moe)
+    G = w13.shape[0]
+    g = torch.Generator().manual_seed(3)
+    groups = torch.sort(torch.randint(0, G, (6,), generator=g)).values
+    starts = torch.searchsorted(groups, torch.arange(G))
+    xs = torch.randn(6, c.hidden_size, generator=g).bfloat16()
+    out = moe_grouped.run_routed(moe, "padded_bmm", xs, starts, groups_of_rows=groups, tokens=3)
+    experts = list(moe.experts) + ([moe.shared_experts] if G > len(moe.experts) else [])
+    want = torch.stack([production.expert_forward(experts[e], xs[i:i + 1])[0]
+                        for i, e in enumerate(groups.tolist())])
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2,
+                               atol=2e-2 * float(want.float().abs().max()))
+    rows = torch.zeros(100, dtype=torch.int64)        # 100 rows, all in group 0
+    starts = torch.searchsorted(rows, torch.arange(G))
+    assert moe_grouped.run_routed(moe, "padded_bmm", torch.randn(100, c.hidden_size).bfloat16(),
+                                  starts, groups_of_rows=rows, tokens=100) is None
 
 
 def test_stacked_expert_weights_are_held_once(prod_model):

@@ -49,3 +49,21 @@ def test_ignore_eos_samples_past_it(shipped):
     assert ch.finish_reason == "length" and r.usage.completion_tokens == 10
     assert ch.text.startswith(key) and "\x02" not in ch.text             # a special id never shows
     assert len(ch.logprobs.tokens) == 10
+
+
+def test_serve_runs_on_the_runtime_asked_for(shipped):
+    """`--runtime reference` serves on the per-sequence runtime; both answer alike."""
+    assert shipped.engine.runtime.name == "paged"              # the default (auto)
+    args = build_parser().parse_args(["serve", "--model", NAME, "--device", "cpu", "--gpu-cache-mb", "16",
+                                      "--swa-cache-mb", "64", "--block-tokens", "16",
+                                      "--runtime", "reference"])
+    ref = LiveServer(options_from_args(args))
+    try:
+        assert ref.engine.runtime.name == "reference"
+        prompt, key = _passkey_prompt()
+        texts = [s.client().completions.create(model=NAME, prompt=prompt, max_tokens=16,
+                                               temperature=0).choices[0].text
+                 for s in (shipped, ref)]
+        assert texts == [key, key]
+    finally:
+        ref.stop()

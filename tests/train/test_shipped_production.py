@@ -43,3 +43,21 @@ def test_production_path_greedy_agreement(pair):
     assert steps >= 200
     assert agree / steps >= 0.99, (agree, steps)
     assert solved == len(examples)
+
+
+def test_paged_bf16_chooses_the_reference_tokens(pair):
+    """Issue 27.6: the paged runtime in bf16, all held-out prompts batched together, chooses
+    the tokens the per-sequence reference runtime chooses in float64, every one."""
+    from dsv41.engine import Engine, SamplingParams
+    ref, prod = pair
+    tok = CharTokenizer(ref.config.vocab_size)
+    prompts = [ex.tokens[:ex.prompt_len]
+               for task in ("passkey", "multihop", "extraction", "tool_loop")
+               for ex in held_out(tok, task, 4, context_len=96, window=16, seed=9 << 21)]
+    sp = SamplingParams(max_new_tokens=48, stop_token_ids=(EOS,))
+    paged = Engine(prod, max_batch=len(prompts), max_prefill_tokens=512)
+    assert paged.runtime.name == "paged"
+    got = [o.output_tokens for o in paged.generate(prompts, sp)]
+    want = [o.output_tokens for o in Engine(ref, runtime="reference").generate(prompts, sp)]
+    assert sum(len(w) for w in want) >= 150
+    assert got == want

@@ -2,9 +2,11 @@
 
     request      SamplingParams, Request, RequestStats, RequestOutput, StreamEvent
     sequence     one request's runtime state
-    scheduler    which prefills and decodes go into a step
+    scheduler    which prefill chunks and decodes go into a step
+    runtime      where KV lives and how a step runs: the paged runtime (paged_kv: the page
+                 pool and slots; paged_runner: the batched step, decode CUDA graphs) or the
+                 per-sequence reference runtime
     prefix       cache lookup -> replay plan -> state; exact write-back
-    runner       one model call per step (extend_batch)
     sampler      greedy / temperature / top-p, seeded per request
     llm_engine   Engine: add_request, step, generate, stream, metrics
     demo         the `dsv41 demo` agent workload

@@ -22,11 +22,12 @@ from ..cache.layout import BlockLayout
 from ..cache.swa_pool import TensorSnapshot
 from ..model import SequenceState, SwaSnapshot
 
-__all__ = ["export_blocks", "import_blocks", "snapshot_to_cache", "snapshot_from_cache",
-           "snapshot_boundary"]
+__all__ = ["SNAPSHOT_FORMAT", "export_blocks", "import_blocks", "snapshot_to_cache",
+           "snapshot_from_cache", "snapshot_boundary"]
 
 _KINDS = {"main": ("main_codes", "main_scales"), "index": ("index_codes", "index_scales")}
-_SNAPSHOT_FORMAT = "dsv41.model.SwaSnapshot/1"
+# The TensorSnapshot format of an SWA snapshot, written by both runtimes (paged_kv.py too).
+SNAPSHOT_FORMAT = "dsv41.model.SwaSnapshot/1"
 
 
 def export_blocks(layout: BlockLayout, state: SequenceState, start_block: int, n_blocks: int) -> torch.Tensor:
@@ -80,14 +81,14 @@ def snapshot_to_cache(snap: SwaSnapshot) -> TensorSnapshot:
         for layer, (codes, scales) in layers.items():
             tensors[f"tail.{kind}.{layer}.codes"] = codes
             tensors[f"tail.{kind}.{layer}.scales"] = scales
-    meta = {"format": _SNAPSHOT_FORMAT, "config_fingerprint": snap.config_fingerprint,
+    meta = {"format": SNAPSHOT_FORMAT, "config_fingerprint": snap.config_fingerprint,
             "aligned_to": snap.aligned_to, "tail_kinds": sorted(snap.tail)}
     return TensorSnapshot(len(snap.tokens), tensors, meta)
 
 
 def snapshot_from_cache(cs: TensorSnapshot, device: str | torch.device | None = None) -> SwaSnapshot:
     """The inverse of snapshot_to_cache (tensors moved to `device` when given)."""
-    if cs.meta.get("format") != _SNAPSHOT_FORMAT:
+    if cs.meta.get("format") != SNAPSHOT_FORMAT:
         raise ValueError(f"not a model snapshot (format {cs.meta.get('format')!r})")
     t = {k: (v if device is None else v.to(device)) for k, v in cs.tensors.items()}
     swa_values, swa_scales, pending, tail = {}, {}, {}, {k: {} for k in cs.meta["tail_kinds"]}

@@ -110,7 +110,8 @@ def run_demo(args, out=None, err=None) -> dict:
         # previous block's projections, so V4 models resume from SWA snapshots (after the TTL
         # from their SWA checkpoints on the SSD, cache/swa_checkpoints.py) or recompute.
         replay = "off" if config.overlap_compress_ratios else "bounded"
-        engine = Engine(model, cache=cache, replay=replay, max_batch=args.conversations)
+        engine = Engine(model, cache=cache, replay=replay, max_batch=args.conversations,
+                        runtime=args.runtime)
         sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
         shared, convs = _workload(args, config.vocab_size)
         progress(f"[demo] cache dir {root} (block {args.block_tokens} tokens, SWA TTL {ttl:g} s); "
@@ -165,7 +166,7 @@ def run_demo(args, out=None, err=None) -> dict:
         if expired_prompts:
             clock.offset += ttl + 1.0
             progress(f"[demo] replay off: {len(expired_prompts)} replayed turns again, recomputed")
-            off = Engine(model, cache=cache, replay="off")
+            off = Engine(model, cache=cache, replay="off", runtime=args.runtime)
             for c, prompt in expired_prompts:
                 on_rec = next(t for t in turns_out if t["conversation"] == c and t["path"] == "encoder_replay"
                               and t["prompt_tokens"] == len(prompt))
@@ -259,6 +260,8 @@ def add_demo_parser(sub) -> None:
                    help="where the persistent store lives")
     d.add_argument("--fresh", action="store_true", help="empty the cache dir first")
     d.add_argument("--conversations", type=count, default=3)
+    d.add_argument("--runtime", default="auto", choices=("auto", "paged", "reference"),
+                   help="the engine's runtime (docs/paged.md): auto is paged when the model runs on it")
     d.add_argument("--turns", type=count, default=3)
     d.add_argument("--system-tokens", type=tokens, default=64)
     d.add_argument("--tools-tokens", type=tokens, default=64)

@@ -39,27 +39,28 @@ class PrefixIO:
         scheduler's admission cost). It can be off both ways - plan() may find SSD blocks
         or an SWA snapshot (fewer tokens), or blocks may be evicted first (more) - which
         only moves the step's prefill budget, never correctness."""
-        N = len(seq.prompt)
+        tokens = seq.prefill_tokens
+        N = len(tokens)
         H = 0
         if self.cache is not None and N > 1:
-            H = self.cache.peek(seq.prompt, namespace=seq.request.namespace, max_tokens=N - 1)
+            H = self.cache.peek(tokens, namespace=seq.request.namespace, max_tokens=N - 1)
         return plan_prompt(self.model.config, N, global_hit=H, replay=seq.replay,
                            align=self.align).computed_tokens
 
-    @profiling.traced("engine.plan",
-                      lambda self, seq: {"requests": 1, "tokens": len(seq.request.prompt)})
-    def plan(self, seq: Sequence) -> None:
-        """Cache lookup (pins the matched blocks, promotes SSD hits), replay plan and the
-        state to prefill from: once per sequence, when the scheduler has admitted it."""
+    def lookup(self, seq: Sequence):
+        """The cache lookup (pins the matched blocks in seq.match, promotes SSD hits), the
+        replay plan (seq.plan) and the statistics of both; returns the SWA snapshot the
+        plan resumes from (None unless the path is both_hit)."""
         if seq.plan is not None:
             raise RuntimeError(f"{seq.request_id} is already planned")
         req, model, cache = seq.request, self.model, self.cache
-        N = len(req.prompt)
+        tokens = seq.prefill_tokens
+        N = len(tokens)
         st = seq.stats
         H = P = 0
         snap = None
         if cache is not None and N > 1:
-            m = seq.match = cache.match(req.prompt, namespace=req.namespace, max_tokens=N - 1)
+            m = seq.match = cache.match(tokens, namespace=req.namespace, max_tokens=N - 1)
             H = m.cached_tokens
             st.gpu_hit_tokens, st.ssd_hit_tokens = m.gpu_blocks * m.block_tokens, m.ssd_blocks * m.block_tokens
             if m.snapshot is not None:
@@ -67,21 +68,8 @@ class PrefixIO:
                 P = m.snapshot_tokens
         plan = seq.plan = plan_prompt(model.config, N, global_hit=H, snapshot_tokens=P,
                                       replay=seq.replay, align=self.align)
-        state = model.new_state()
-        read = 0
-        if plan.import_tokens:
-            nb = plan.import_tokens // cache.block_tokens
-            import_blocks(cache.layout, state, cache.read_blocks(seq.match.block_ids[:nb], device=model.device))
-            read = nb * cache.layout.block_bytes
-        if plan.path == "both_hit":
-            state.restore_swa(snapshot_from_cache(snap, device=model.device))
-            st.bytes["swa_read"] = snap.nbytes
-        elif plan.path == "encoder_replay":
-            state.seek_for_replay(req.prompt[:plan.start])
-        seq.state = state
-        st.bytes["global_read"] = read
         st.path = plan.path
-        st.prompt_tokens = N
+        st.prompt_tokens = len(req.prompt)
         st.global_hit_tokens = plan.global_hit
         st.swa_hit_tokens = plan.snapshot_tokens
         st.replayed_tokens = plan.replayed_tokens
@@ -93,6 +81,29 @@ class PrefixIO:
         st.decoder_replay = seq.replay.decoder_replay
         st.replay_mode = seq.replay.mode
         st.global_exact, st.swa_exact = plan.global_exact, plan.swa_exact
+        return snap if plan.path == "both_hit" else None
+
+    @profiling.traced("engine.plan",
+                      lambda self, seq: {"requests": 1, "tokens": len(seq.prefill_tokens)})
+    def plan(self, seq: Sequence) -> None:
+        """lookup(), then the state to prefill from: once per sequence, when the scheduler
+        has admitted it."""
+        snap = self.lookup(seq)
+        plan, model, cache, st = seq.plan, self.model, self.cache, seq.stats
+        state = model.new_state()
+        read = 0
+        if plan.import_tokens:
+            nb = plan.import_tokens // cache.block_tokens
+            import_blocks(cache.layout, state, cache.read_blocks(seq.match.block_ids[:nb], device=model.device))
+            read = nb * cache.layout.block_bytes
+        if plan.path == "both_hit":
+            state.restore_swa(snapshot_from_cache(snap, device=model.device))
+            st.bytes["swa_read"] = snap.nbytes
+        elif plan.path == "encoder_replay":
+            state.seek_for_replay(seq.prefill_tokens[:plan.start])
+        seq.state = state
+        seq.prefilled = state.position
+        st.bytes["global_read"] = read
 
     @profiling.traced("engine.write_back",
                       lambda self, seq: {"requests": 1, "tokens": seq.state.position})
@@ -114,7 +125,7 @@ class PrefixIO:
                                      namespace=seq.request.namespace)
         written = (nb - have) * cache.layout.block_bytes if nb > have else 0
         seq.stats.bytes["global_written"] = seq.stats.bytes.get("global_written", 0) + written
-        swa_ok = self._swa_ok(seq)
+        swa_ok = self.swa_ok(seq)
         if swa_ok and cache.checkpoints is not None:
             self.checkpoint(seq)     # end of prompt / end of output
         if swa_ok and cache.swa is not None:
@@ -122,8 +133,8 @@ class PrefixIO:
             if cache.put_snapshot(state.tokens, snap, namespace=seq.request.namespace):
                 seq.stats.bytes["swa_written"] = seq.stats.bytes.get("swa_written", 0) + snap.nbytes
 
-    def _swa_ok(self, seq: Sequence) -> bool:
-        """The state's SWA part may be cached (see the write-back rule above)."""
+    def swa_ok(self, seq: Sequence) -> bool:
+        """The sequence's SWA state may be cached (see the write-back rule above)."""
         plan = seq.plan
         return plan.swa_exact or (self.write_approximate and not plan.decoder_replay)
 
@@ -140,14 +151,14 @@ class PrefixIO:
         state is exact (at or past the imported global KV) and a checkpoint is due."""
         N, plan = self.checkpoint_tokens, seq.plan
         if not N or plan.decoder_replay or seq.request.sampling.input_logprobs \
-                or not (plan.global_exact or self.write_approximate) or not self._swa_ok(seq):
+                or not (plan.global_exact or self.write_approximate) or not self.swa_ok(seq):
             return []
         lo = max(plan.start, plan.cached_until or 0, seq.state.position)
-        return [b for b in range((lo // N + 1) * N, len(seq.prompt), N)]
+        return [b for b in range((lo // N + 1) * N, len(seq.prefill_tokens), N)]
 
     def decode_checkpoint_due(self, seq: Sequence) -> bool:
         N = self.checkpoint_tokens
-        return bool(N) and seq.state.position % N == 0 and self._swa_ok(seq)
+        return bool(N) and seq.state.position % N == 0 and self.swa_ok(seq)
 
     def checkpoint(self, seq: Sequence) -> None:
         """Writes the SWA checkpoint of the sequence's state after its tokens so far."""

@@ -1,5 +1,5 @@
-"""One request's runtime state inside the engine: its model state, plan, cache match,
-output so far and timings."""
+"""One request's runtime state inside the engine: its KV (a per-sequence state, or a place
+in the paged memory), plan, cache match, prefill progress, output so far and timings."""
 from __future__ import annotations
 
 import enum
@@ -15,8 +15,9 @@ __all__ = ["Status", "Sequence"]
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"      # queued, no cache lookup yet
-    RUNNING = "running"      # prefilled, decoding
+    WAITING = "waiting"        # queued, no cache lookup yet, holds nothing
+    PREFILLING = "prefilling"  # planned; its prompt runs in chunks
+    RUNNING = "running"        # prefilled, decoding
     FINISHED = "finished"
 
 
@@ -26,8 +27,16 @@ class Sequence:
     replay: ReplayConfig
     arrival: float
     status: Status = Status.WAITING
-    state: SequenceState | None = None
+    state: SequenceState | None = None        # the reference runtime's KV
+    kv: object | None = None                  # the paged runtime's KV (paged_kv.SeqKV)
     plan: ReplayPlan | None = None
+    # The tokens this sequence prefills (its prompt; after a preemption, the prompt and the
+    # output so far) and how far it has come: positions [0, prefilled) are in its KV.
+    prefill_tokens: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    admitted_at: int = -1                     # admission order (preemption takes the newest)
+    preemptions: int = 0
+    all_logits: list[torch.Tensor] = field(default_factory=list)  # input logprobs, chunk by chunk
     match: object | None = None               # cache.PrefixMatch while running
     checkpointed_at: int = -1                 # position of its last SWA checkpoint on the SSD
     generator: torch.Generator | None = None

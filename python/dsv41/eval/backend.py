@@ -9,7 +9,8 @@ Each `run` call builds what the state needs and nothing else:
                 global hit with an SWA miss, counted by the SWA pool as expiries).
 Then one Engine(model, cache, replay=<switch>, max_batch=min(max_batch, len(requests)))
 runs every request's turns, all requests submitted together (concurrency; above
-max_batch they queue: saturation), with return_logits.
+max_batch they queue: saturation), with return_logits. Prompts run in chunks of the
+engine's step budget, which gives the one-shot prefill's values (docs/paged.md).
 
 Switches: off = ReplayConfig("off") (recompute), bounded = encoder replay of the last W
 cached tokens, exact = the oracle (replays far enough back to equal full prefill),
@@ -135,8 +136,7 @@ class EngineBackend:
             if state not in ("warm", "warm_expired"):
                 raise ValueError(f"unknown backend state {state!r}")
             cache, clock = self._cache()
-            warm = Engine(self.model, cache=cache, replay="off", max_batch=max(1, len(requests)),
-                          max_prefill_tokens=1 << 30)
+            warm = Engine(self.model, cache=cache, replay="off", max_batch=max(1, len(requests)))
             prefixes = [r.turns[0][:r.cached_tokens] for r in requests]
             if any(len(p) < self.block_tokens for p in prefixes):
                 raise ValueError("a warm state needs at least one cached block per request")
@@ -144,7 +144,7 @@ class EngineBackend:
             if state == "warm_expired":
                 clock.t += 2 * self.swa_ttl_s + 1.0
         eng = Engine(self.model, cache=cache, replay=rc, max_batch=min(self.max_batch, max(1, len(requests))),
-                     max_prefill_tokens=1 << 30, write_approximate=self.write_approximate)
+                     write_approximate=self.write_approximate)
         params = [SamplingParams(temperature=float(sampling["temperature"]), top_p=float(sampling["top_p"]),
                                  seed=r.seed, max_new_tokens=int(sampling["max_new_tokens"]),
                                  stop_token_ids=tuple(sampling.get("stop_token_ids", ())), return_logits=True)

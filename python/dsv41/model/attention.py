@@ -26,9 +26,9 @@ import math
 import torch
 from torch import nn
 
-from .. import ops
+from .. import cpu_shortcuts, ops
 from ..config import LayerPlan, ModelConfig
-from . import production
+from . import gemm, production
 from .compressor import Compressor
 from .context import ForwardContext, swa_index
 from .indexer import Indexer
@@ -82,19 +82,40 @@ class Attention(nn.Module):
         self.rope = Rope.for_layer(c, plan.compress_ratio)
         self.softmax_scale = D ** -0.5
 
+    def swa_values(self, x: torch.Tensor, positions: torch.Tensor, rope_table=None
+                   ) -> torch.Tensor:
+        """This layer's SWA KV of x before quantization: RoPE(kv_norm(wkv x)), float32."""
+        if gemm.is_production(self):
+            kv = self.kv_norm(self.wkv(x, torch.bfloat16))
+            return self.rope.rotate(kv, positions, fp32=True, table=rope_table)
+        return self.rope.rotate(self.kv_norm(self.wkv(x)), positions)
+
+    def sink_f32(self) -> torch.Tensor:
+        """The per-head sink logits as the ops take them (float32; the parameter is)."""
+        sink = self.attn_sink
+        return sink if sink.dtype == torch.float32 else sink.float()
+
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output: heads split into o_groups groups, each projected by its
         own [o_lora_rank, heads/group * D] block of wo_a, then wo_b. o [T,H,D] -> [T,hidden]."""
         c = self.config
         G, R = c.o_groups, c.o_lora_rank
-        if production.is_production(self):
+        if gemm.is_production(self):
             grouped = o.to(torch.bfloat16).reshape(o.shape[0], G, -1)
-            if self.wo_a.weight.dtype == torch.bfloat16:   # all groups in one bmm
-                wa = self.wo_a.weight.view(G, R, -1)
-                mid = torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)
+            wa = self.wo_a.weight
+            if wa.dtype == torch.bfloat16:   # all groups in one bmm
+                f32 = (gemm.cpu_f32(self.wo_a, "weight", wa)
+                       if gemm.SMALL_ROWS >= o.shape[0] and o.device.type == "cpu"
+                       else None)
+                if f32 is not None:   # a decode step on the CPU (gemm.cpu_f32)
+                    wa_t = gemm.transposed(gemm.grouped_view(f32, G))
+                    mid = torch.bmm(grouped.transpose(0, 1).float(), wa_t).to(torch.bfloat16)
+                    return self.wo_b(mid.transpose(0, 1).reshape(o.shape[0], G * R))
+                wa_t = gemm.transposed(gemm.grouped_view(wa, G))
+                mid = torch.bmm(grouped.transpose(0, 1), wa_t).transpose(0, 1)
                 return self.wo_b(mid.reshape(o.shape[0], G * R))
             mid = torch.stack([   # quantized: group by group, one weight tile each
-                grouped[:, g] @ production.dequantize_rows(self.wo_a, g * R, (g + 1) * R).T
+                grouped[:, g] @ gemm.dequantize_rows(self.wo_a, g * R, (g + 1) * R).T
                 for g in range(G)], 1)                                   # [T, G, R]
             return self.wo_b(mid.reshape(o.shape[0], G * R))
         grouped = o.double().reshape(o.shape[0], G, -1).transpose(0, 1)  # [G, T, H*D/G]
@@ -102,13 +123,17 @@ class Attention(nn.Module):
         mid = torch.bmm(grouped, wa.transpose(1, 2)).transpose(0, 1)     # [T, G, R]
         return self.wo_b(mid.reshape(o.shape[0], G * R).float())
 
-    def queries(self, x: torch.Tensor, positions: torch.Tensor):
+    def queries(self, x: torch.Tensor, positions: torch.Tensor, rope_table=None):
+        """(q-lora latent, queries [T, H, D] after RoPE). rope_table: this layer's (cos,
+        sin) rows at `positions` when the caller has them (Rope.table; production only)."""
         c = self.config
+        if gemm.is_production(self):   # bf16 between GEMMs and norms
+            bf16 = torch.bfloat16
+            qr = self.q_norm(self.wq_a(x, bf16), bf16)
+            q = self.wq_b(qr, bf16).view(x.shape[0], c.num_heads, c.head_dim)
+            q = gemm.rms_norm(q, None, c.rms_norm_eps)
+            return qr, self.rope.rotate(q, positions, fp32=True, table=rope_table)
         qr = self.q_norm(self.wq_a(x))
-        if production.is_production(self):
-            q = self.wq_b(qr).view(x.shape[0], c.num_heads, c.head_dim)
-            q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + c.rms_norm_eps)
-            return qr, self.rope.rotate(q, positions, fp32=True)
         q = self.wq_b.forward_f64(qr).view(x.shape[0], c.num_heads, c.head_dim)
         q = rms_normalize(q, c.rms_norm_eps).float()
         return qr, self.rope.rotate(q, positions)
@@ -118,7 +143,7 @@ class Attention(nn.Module):
         layer = self.layer
         for seg, latent, pos in self.compressor.compress(
                 kv_input, ctx, lambda s: s.state.main_kv[layer].n):
-            entry = self.rope.rotate(latent, pos, fp32=production.is_production(self))
+            entry = self.rope.rotate(latent, pos, fp32=gemm.is_production(self))
             self.codec.stage_main(seg.state.main_kv[layer], entry)
             if self.plan.owns_indexer_keys and not self.config.indexer_compressor:
                 self.codec.stage_index(seg.state.index_keys[layer],
@@ -142,8 +167,8 @@ class Attention(nn.Module):
         c, p = self.config, self.plan
         pos = ctx.positions
         qr, q = self.queries(x, pos)
-        fp32 = production.is_production(self)
-        swa = self.rope.rotate(self.kv_norm(self.wkv(x)), pos, fp32=fp32)
+        fp32 = gemm.is_production(self)
+        swa = self.swa_values(x, pos)
         swa_values, swa_scales = self.codec.encode_swa(swa)
         if p.owns_kv:
             self.append_entries(x if kv_input is None else kv_input, kv_ctx or ctx)
@@ -191,13 +216,19 @@ class Attention(nn.Module):
                                             device=x.device)
                 out, _ = ops.sparse_attention(q[rows], buf_values, buf_scales, sidx, kv_codes,
                                               kv_scales, kidx, sink, self.softmax_scale)
+            elif fp32 and seg.length == 1 and x.device.type == "cpu" \
+                    and cpu_shortcuts.enabled():   # a decode step
+                out = production.attend_one(q[rows], self.codec, buf_values, buf_scales, sidx,
+                                            kv_codes, kv_scales, kidx, sink,
+                                            self.softmax_scale)
             else:
                 kv = (torch.zeros(0, c.head_dim, device=x.device) if kv_codes is None
                       else self.codec.decode_main(kv_codes, kv_scales))
-                attend_fn = production.attend if production.is_production(self) else attend
+                attend_fn = production.attend if gemm.is_production(self) else attend
                 out = attend_fn(q[rows], self.codec.decode_swa(buf_values, buf_scales), sidx,
                                 kv, kidx, sink, self.softmax_scale)
             outs.append(out)
             ctx.record(self.layer, q=q[rows], swa_idx=sidx, kv_idx=kidx, attn=out)
-        o = self.rope.rotate(torch.cat(outs), pos, inverse=True, fp32=fp32)
+        o = self.rope.rotate(torch.cat(outs), pos, inverse=True, fp32=fp32,
+                             dtype=torch.bfloat16 if fp32 else None)
         return self.project_out(o)

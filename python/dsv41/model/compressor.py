@@ -25,7 +25,7 @@ from torch import nn
 from ..config import ModelConfig
 from .context import ForwardContext, Segment
 from .layers import Linear, RMSNorm
-from .production import is_production
+from .gemm import is_production
 
 __all__ = ["Compressor"]
 

@@ -7,6 +7,7 @@ run per segment against that segment's state.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,13 +25,25 @@ def swa_index(start: int, count: int, window: int, swa_start: int = 0,
     the new tokens' SWA KV (slot window + p - start)]. Query i sees positions
     [max(swa_start, i - window + 1), i] (docs/design.md#replay; swa_start = 0 for a plain
     prefill), listed oldest first in slot j = p - (i - window + 1); others are -1.
-    Returns int32 [count, window].
+    Returns int32 [count, window]; for a few queries on the CPU (a decode step) one tensor shared
+    between calls with the same arguments (every layer of a forward asks for the same one):
+    read it, never write it.
     """
+    args = (int(start), int(count), int(window), int(swa_start), torch.device(device))
+    shared = count <= 16 and args[-1].type == "cpu"
+    return _swa_index_shared(*args) if shared else _swa_index(*args)
+
+
+def _swa_index(start: int, count: int, window: int, swa_start: int,
+               device: torch.device) -> torch.Tensor:
     i = torch.arange(start, start + count, device=device)[:, None]
     p = i - window + 1 + torch.arange(window, device=device)[None, :]
     ok = (p >= max(swa_start, 0)) & (p <= i)
     slot = torch.where(p >= start, window + p - start, p % window)
     return torch.where(ok, slot, -1).to(torch.int32)
+
+
+_swa_index_shared = functools.lru_cache(maxsize=32)(_swa_index)
 
 
 @dataclass

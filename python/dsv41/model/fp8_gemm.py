@@ -26,7 +26,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "FP8_MAX", "GemmPath", "act_scales_layout", "fp8_gemm_path", "fp8_path_for",
+__all__ = ["BLOCK", "FP8_MAX", "GemmPath", "scale_f32", "act_scales_layout", "fp8_gemm_path", "fp8_path_for",
            "quantize_act_1x128", "scaled_linear", "scaled_mm_emulated", "weight_scales_layout"]
 
 BLOCK = 128
@@ -137,6 +137,14 @@ def scaled_mm_emulated(codes: torch.Tensor, act_scale: torch.Tensor, w_codes: to
     return (a @ (w_codes.float() * s).T).to(torch.bfloat16)
 
 
+def scale_f32(scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of stored scales: float, float8_e8m0fnu, or UE8M0 exponent bytes."""
+    if scale.dtype == torch.uint8:
+        return torch.ldexp(torch.ones(scale.shape, device=scale.device),
+                           scale.to(torch.int32) - 127)
+    return scale.float()
+
+
 # ---- the CUDA call -----------------------------------------------------------------------
 
 def _prepared(lin: torch.nn.Module):
@@ -149,8 +157,7 @@ def _prepared(lin: torch.nn.Module):
         path = fp8_path_for(lin)
         scale_b = None
         if path.path == "scaled_mm":
-            from .production import _scale_f32
-            scale_b = weight_scales_layout(_scale_f32(lin.weight_scale))
+            scale_b = weight_scales_layout(scale_f32(lin.weight_scale))
         cached = (key, path, scale_b)
         object.__setattr__(lin, _CACHE, cached)
     return cached

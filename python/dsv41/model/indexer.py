@@ -29,7 +29,7 @@ from .compressor import Compressor
 from .context import Segment
 from .kv_codec import KVCodec
 from .layers import Linear, RMSNorm
-from .production import is_production
+from .gemm import is_production
 from .rope import Rope
 
 __all__ = ["Indexer", "hadamard"]
@@ -48,9 +48,17 @@ def _hadamard_matrix(n: int) -> torch.Tensor:
     return h / n ** 0.5
 
 
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """x @ H / sqrt(n) over the last dim (Sylvester order; orthonormal), float32 out."""
-    return torch.matmul(x.double(), _hadamard_matrix(x.shape[-1]).to(x.device)).float()
+@functools.cache
+def _hadamard_matrix_on(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _hadamard_matrix(n).to(device=device, dtype=dtype)
+
+
+def hadamard(x: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+    """x @ H / sqrt(n) over the last dim (Sylvester order; orthonormal), float32 out: in
+    float64 (the reference), or in float32 (fp32=True: the production path, one GEMM)."""
+    if fp32:
+        return torch.matmul(x.float(), _hadamard_matrix_on(x.shape[-1], torch.float32, x.device))
+    return torch.matmul(x.double(), _hadamard_matrix_on(x.shape[-1], torch.float64, x.device)).float()
 
 
 class Indexer(nn.Module):
@@ -72,33 +80,43 @@ class Indexer(nn.Module):
         self.rope = Rope.for_layer(c, plan.compress_ratio)
         self.weight_scale = (c.index_head_dim * c.index_n_heads) ** -0.5
 
-    def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        x = self.rope.rotate(x, pos, fp32=is_production(self))
-        return hadamard(x) if self.rotate else x
+    def _rotate(self, x: torch.Tensor, pos: torch.Tensor, rope_table=None) -> torch.Tensor:
+        fp32 = is_production(self)
+        x = self.rope.rotate(x, pos, fp32=fp32, table=rope_table)
+        return hadamard(x, fp32) if self.rotate else x
 
-    def _finish(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.codec.encode_index(self._rotate(x, pos))
+    def _finish(self, x: torch.Tensor, pos: torch.Tensor, rope_table=None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.codec.encode_index(self._rotate(x, pos, rope_table))
 
-    def key_values(self, latent: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def key_values(self, latent: torch.Tensor, pos: torch.Tensor, rope_table=None
+                   ) -> torch.Tensor:
         """The float32 keys [n, Di] that the codec stores (before encoding, so the cache
         write can quantize in place: KVCodec.stage_index / RowStore.stage_quantized). latent
         [n, D] is the main compressor's normalized entry (V4.1) or the indexer compressor's
         (V4)."""
         if hasattr(self, "compressor"):
-            return self._rotate(latent, pos)
-        return self._rotate(self.k_norm(self.wk(latent)), pos)
+            return self._rotate(latent, pos, rope_table)
+        bf16 = torch.bfloat16 if is_production(self) else None
+        return self._rotate(self.k_norm(self.wk(latent, bf16)), pos, rope_table)
 
     def keys(self, latent: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored keys (codes, scales) of entries latent at positions pos (see key_values)."""
         return self.codec.encode_index(self.key_values(latent, pos))
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor):
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, rope_table=None):
         """Stored-format queries (MXFP4 codes [T,Hi,Di/2], scales [T,Hi,Di/32]; float32
-        [T,Hi,Di] and empty scales in the reference mode) and head weights [T,Hi]."""
+        [T,Hi,Di] and empty scales in the reference mode) and head weights [T,Hi].
+        rope_table: the layer's (cos, sin) at pos, when the caller has them."""
         c = self.config
-        q = self.wq_b(qr).view(-1, c.index_n_heads, c.index_head_dim)
-        codes, scales = self._finish(q, pos)
-        w = (self.weights_proj.forward_f64(x) * self.weight_scale).float()
+        prod = is_production(self)
+        q = self.wq_b(qr, torch.bfloat16 if prod else None).view(-1, c.index_n_heads,
+                                                                 c.index_head_dim)
+        codes, scales = self._finish(q, pos, rope_table)
+        if prod:
+            w = self.weights_proj(x) * self.weight_scale
+        else:
+            w = (self.weights_proj.forward_f64(x) * self.weight_scale).float()
         return codes, scales, w
 
     def select(self, seg: Segment, q_codes, q_scales, w) -> torch.Tensor:

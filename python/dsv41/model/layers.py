@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import production
+from . import gemm
 
 __all__ = ["Embedding", "Linear", "RMSNorm", "as_f64", "rms_normalize"]
 
@@ -40,14 +40,17 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x W^T, float32 (production storage: bf16 with dtype=torch.bfloat16, for a
+        consumer that reads bf16 anyway - the next GEMM or a norm - saving a round trip;
+        the reference always returns float32)."""
         if self.weight.dtype != torch.float32:  # production storage (production.py)
-            return production.linear(x, self).float()
+            return gemm.linear(x, self).to(dtype or torch.float32)
         return self.forward_f64(x).float()
 
     def forward_f64(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype != torch.float32:
-            return production.linear(x, self).double()
+            return gemm.linear(x, self).double()
         return torch.matmul(x.double(), as_f64(self.weight).T)
 
     def extra_repr(self) -> str:
@@ -65,9 +68,10 @@ class RMSNorm(nn.Module):
         self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if production.is_production(self):
-            return production.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Float32 out (production: bf16 with dtype=torch.bfloat16, for a GEMM to read)."""
+        if gemm.is_production(self):
+            return gemm.rms_norm(x, self.weight, self.eps, dtype)
         return (rms_normalize(x.double(), self.eps) * as_f64(self.weight)).float()
 
     def extra_repr(self) -> str:

@@ -10,15 +10,18 @@ one-layer perceptron over the RMS-normalized flattened streams gives (with its `
          column-normalized and hc_sinkhorn_iters - 1 Sinkhorn (row, column) iterations
 The block reads x = sum_j pre_j h_j and the streams become h' = post * f(norm(x)) + comb^T h.
 The final collapse before `norm` and `head` uses `hc_head` (pre only, no eps on the
-sigmoid's input side). Computed in float64, rounded to float32 once per output.
+sigmoid's input side). Computed in float64, rounded to float32 once per output; on the
+production path in float32, on the CPU as the dsv41::hc_* ops (ops/layer.py: one op where
+the torch expressions below take ~150 per site, mostly the Sinkhorn iterations).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .. import cpu_shortcuts, ops
 from .layers import as_f64, rms_normalize
-from .production import is_production
+from .gemm import is_production
 
 __all__ = ["HyperConnection", "add_site", "hc_head"]
 
@@ -48,6 +51,10 @@ class HyperConnection:
         """h [T, n, hidden] f32 -> pre [T, n], post [T, n], comb [T, n, n] (float64; float32
         on the production path)."""
         n, T = self.n, h.shape[0]
+        if is_production(self.owner) and h.device.type == "cpu" and cpu_shortcuts.enabled():
+            flat = ops.rms_norm(h.reshape(T, -1), None, self.norm_eps)
+            return ops.hc_weights(flat @ self._p("fn").T, self._p("base"), self._p("scale"),
+                                  n, self.iters, self.eps)
         if is_production(self.owner):
             x = h.reshape(T, -1).float()
             flat = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)
@@ -73,12 +80,18 @@ class HyperConnection:
     @staticmethod
     def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """sum_j pre_j h_j: [T, hidden] f32 (pre's dtype is the math's)."""
+        if pre.dtype == torch.float32 and h.dtype == torch.float32 and h.device.type == "cpu" \
+                and cpu_shortcuts.enabled():
+            return ops.hc_collapse(h, pre)
         return (pre[..., None] * h.to(pre.dtype)).sum(1).float()
 
     @staticmethod
     def expand(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor,
                comb: torch.Tensor) -> torch.Tensor:
         """h' = post * out + comb^T h: [T, n, hidden] f32."""
+        if comb.dtype == torch.float32 and h.dtype == torch.float32 and h.device.type == "cpu" \
+                and cpu_shortcuts.enabled():
+            return ops.hc_expand(h, out, post, comb)
         dt = comb.dtype
         mixed = torch.matmul(comb.transpose(-1, -2), h.to(dt))
         return (post[..., None] * out.to(dt)[:, None, :] + mixed).float()

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..config import MODE_FULL, PART_DECODER, ModelConfig
-from . import production
+from . import gemm, production
 from .attention import Attention
 from .context import ForwardContext, Segment
 from .kv_codec import KV_DTYPES, codec_for
@@ -94,11 +94,13 @@ class Block(nn.Module):
 
     def attn_input(self, h: torch.Tensor):
         """The attention's input attn_norm(x) from the residual h, and the mHC weights
-        (None without mHC)."""
+        (None without mHC). On the production path x is bf16: every reader of it is a
+        GEMM."""
+        dtype = torch.bfloat16 if gemm.is_production(self) else None
         if not self.hc:
-            return self.attn_norm(h), None
+            return self.attn_norm(h, dtype), None
         pre, post, comb = self.hc["hc_attn"].weights(h)
-        return self.attn_norm(HyperConnection.collapse(h, pre)), (post, comb)
+        return self.attn_norm(HyperConnection.collapse(h, pre), dtype), (post, comb)
 
     @staticmethod
     def residual(h: torch.Tensor, out: torch.Tensor, mix) -> torch.Tensor:
@@ -207,6 +209,12 @@ class Model(nn.Module):
         from .checkpoint import load_pretrained
         return load_pretrained(cls, directory, device=device, kv_dtype=kv_dtype,
                                weights_id=weights_id, precision=precision)
+
+    @property
+    def decoder_full_layer(self) -> int | None:
+        """The decoder's Full layer, whose global KV is projected from the encoder's final
+        hidden state (None without an encoder-decoder split)."""
+        return self._decoder_full
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, device=self.device, options=self.options)
@@ -327,13 +335,15 @@ class Model(nn.Module):
         segs, offset = [], 0
         for b, (tokens, state) in enumerate(zip(token_lists, states)):
             where = f"sequence {b}: " if len(states) > 1 else ""
-            ids = self._check_tokens(tokens, where)
+            ids = self.check_tokens(tokens, where)
             self._check_state(state, ids.shape[0], where)
             segs.append(Segment(state, ids.to(self.device), offset))
             offset += ids.shape[0]
         return segs
 
-    def _check_tokens(self, tokens, where: str) -> torch.Tensor:
+    def check_tokens(self, tokens, where: str = "") -> torch.Tensor:
+        """Token ids as an int64 CPU tensor, or a clear error (type, shape, empty, a token
+        outside the vocabulary); `where` prefixes the message."""
         if isinstance(tokens, torch.Tensor):
             if tokens.dtype not in _INT_DTYPES:
                 raise TypeError(f"{where}token ids must be an integer tensor, got {tokens.dtype}")
@@ -429,7 +439,7 @@ class Model(nn.Module):
             if self.config.hc_mult > 1:
                 h = hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
                             self.config.hc_eps, self.config.rms_norm_eps,
-                            fp32=production.is_production(self))
+                            fp32=gemm.is_production(self))
             out_segs = ctx.segments
             rows = torch.cat([
                 torch.arange(s.rows.start, s.rows.stop) if want

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from . import production
+from . import gemm, production
 from .layers import Linear, as_f64
 
 __all__ = ["Expert", "Gate", "MoE"]
@@ -122,7 +122,7 @@ class MoE(nn.Module):
                                          c.swiglu_limit)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        if production.is_production(self):
+        if gemm.is_production(self):
             return production.moe_forward(self, x, tokens)
         ids, weights = self.gate(x, tokens)
         x64 = x.double()

@@ -8,7 +8,7 @@ from the float64 reference (layers.py) to this path:
     packed FP4 (int8, two E2M1 codes a byte) with UE8M0 `weight_scale` per 32 inputs. A
     float32 (synthetic or dequantized) weight is cast to bf16. No float32/float64 copy of
     a quantized weight is kept: `linear` dequantizes it tile by tile (`TILE_BYTES` of
-    bf16 at a time) inside the matmul.
+    bf16 at a time) inside the matmul (gemm.py: the per-row GEMM and norm every layer calls).
   - GEMM inputs and outputs in bf16; RMSNorm, mHC, the router and the SwiGLU gate in
     float32; the residual stream stays float32 (it is what the next norm reads).
   - MoE: the (token, slot) pairs sorted by expert and run as grouped GEMMs
@@ -17,6 +17,12 @@ from the float64 reference (layers.py) to this path:
     moe_grouped.py says which and why).
   - FP8 weights: torch's block-scaled FP8 GEMM on CUDA sm_90 (activations quantized per
     1x128 block on the fly), tile-by-tile dequantization elsewhere (fp8_gemm.py).
+  - CPU GEMMs of at most SMALL_ROWS rows (a decode step) with bf16 weights run in float32
+    on a float32 copy of the weight (`gemm.cpu_f32`, up to CPU_F32_BYTES per process): a
+    one-row bf16 GEMM on the CPU pays a setup that float32's GEMV does not
+    (docs/performance.md#model). Inputs are the same bf16 values (exact in float32) and
+    both accumulate in float32, so only the summation order differs; the output is rounded
+    to bf16 as before. dsv41.cpu_shortcuts.off() turns this and the other CPU-only paths off.
   - attention, compression, the indexer, top-k and cache writes are the reference path's
     own ops on the same stored formats, so a state written by one precision is read by
     the other (tests/model/test_production.py).
@@ -31,15 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8_gemm, moe_grouped
+from .. import ops
+from . import moe_grouped
+from .gemm import FP4_BLOCK, PRODUCTION_FLAG, linear, transposed
 
-__all__ = ["PRECISIONS", "TILE_BYTES", "default_precision", "is_production", "linear", "moe_forward",
-           "quantize_fp8", "rms_norm", "to_production", "weight_bytes"]
+__all__ = ["PRECISIONS", "default_precision", "moe_forward", "moe_path", "quantize_fp8", "to_production",
+           "weight_bytes"]
 
 PRECISIONS = ("reference", "bf16")
-TILE_BYTES = 4 << 20        # dequantized bf16 bytes per tile of a quantized weight
-FP4_BLOCK = 32
-_FLAG = "_dsv41_production"
 
 
 def default_precision(device: str | torch.device) -> str:
@@ -47,90 +52,6 @@ def default_precision(device: str | torch.device) -> str:
     the CPU, where the engine's exact replay relies on its batch invariance (bf16 GEMMs are
     not batch invariant) - see docs/model.md, "Precision"."""
     return "bf16" if torch.device(device).type == "cuda" else "reference"
-
-
-def is_production(module: nn.Module) -> bool:
-    return getattr(module, _FLAG, False)
-
-
-def _scale_f32(scale: torch.Tensor) -> torch.Tensor:
-    """float32 values of stored scales: float, float8_e8m0fnu, or UE8M0 exponent bytes."""
-    if scale.dtype == torch.uint8:
-        return torch.ldexp(torch.ones(scale.shape, device=scale.device),
-                           scale.to(torch.int32) - 127)
-    return scale.float()
-
-
-_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
-def dequantize_rows(lin: nn.Module, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of a production Linear's weight as bf16 [r1 - r0, in]."""
-    w = lin.weight
-    if w.dtype == torch.bfloat16:
-        return w[r0:r1]
-    if w.dtype == torch.float8_e4m3fn:
-        b0, b1 = lin.weight_block
-        s = _scale_f32(lin.weight_scale[r0 // b0:(r1 + b0 - 1) // b0])
-        s = s.repeat_interleave(b0, 0)[r0 % b0:r0 % b0 + r1 - r0]
-        s = s.repeat_interleave(b1, 1)[:, :w.shape[1]]
-        return (w[r0:r1].float() * s).to(torch.bfloat16)
-    if w.dtype in (torch.int8, torch.uint8):        # packed FP4
-        b = w[r0:r1].view(torch.uint8).long()
-        table = _FP4.to(w.device)
-        vals = torch.stack((table[b & 0xF], table[b >> 4]), -1).reshape(r1 - r0, -1)
-        s = _scale_f32(lin.weight_scale[r0:r1]).repeat_interleave(FP4_BLOCK, 1)
-        return (vals * s).to(torch.bfloat16)
-    raise TypeError(f"no production storage for a {w.dtype} weight")
-
-
-def _tile_rows(lin: nn.Module) -> int:
-    block = getattr(lin, "weight_block", (128, 128))[0]
-    rows = max(1, TILE_BYTES // (2 * lin.in_features))
-    return max(block, rows // block * block)
-
-
-def _bucket(rows: int) -> int:
-    """Row counts the GEMMs run at: a few sizes, so oneDNN's per-shape kernels (costly to
-    create next to one small GEMM, cached afterwards; docs/model.md) are reused across
-    expert groups and calls."""
-    if rows <= 8:
-        return rows
-    if rows <= 256:
-        return 1 << (rows - 1).bit_length()
-    return -(-rows // 256) * 256
-
-
-def linear(x: torch.Tensor, lin: nn.Module) -> torch.Tensor:
-    """x [.., in] -> x W^T [.., out] in bf16, W as `lin` stores it."""
-    xb = x.to(torch.bfloat16)
-    if xb.dim() == 2 and xb.device.type == "cpu" and _bucket(xb.shape[0]) != xb.shape[0]:
-        padded = xb.new_zeros(_bucket(xb.shape[0]), xb.shape[1])
-        padded[:xb.shape[0]] = xb
-        return linear(padded, lin)[:xb.shape[0]]
-    w = lin.weight
-    if w.dtype == torch.bfloat16:
-        return F.linear(xb, w)
-    if w.dtype == torch.float8_e4m3fn and xb.device.type != "cpu":
-        out = fp8_gemm.scaled_linear(xb, lin)   # None: this weight takes the dequant path
-        if out is not None:
-            return out
-    out_dim = lin.out_features
-    step = _tile_rows(lin)
-    if step >= out_dim:
-        return F.linear(xb, dequantize_rows(lin, 0, out_dim))
-    out = xb.new_empty(*xb.shape[:-1], out_dim)
-    for r0 in range(0, out_dim, step):
-        r1 = min(out_dim, r0 + step)
-        out[..., r0:r1] = F.linear(xb, dequantize_rows(lin, r0, r1))
-    return out
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """float32 RMSNorm (float32 out)."""
-    x32 = x.float()
-    return x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight.float()
 
 
 # ---- attention ---------------------------------------------------------------------------
@@ -194,11 +115,40 @@ def attend(q: torch.Tensor, swa: torch.Tensor, swa_idx: torch.Tensor, kv: torch.
     return out
 
 
+def attend_one(q: torch.Tensor, codec, swa_codes: torch.Tensor, swa_scales: torch.Tensor,
+               swa_idx: torch.Tensor, kv_codes: torch.Tensor | None,
+               kv_scales: torch.Tensor | None, kv_idx: torch.Tensor, sink: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """`attend` for one query on the CPU (a per-sequence decode step) from the stored rows:
+    only the rows it reads are decoded (its valid SWA slots and selected entries, found on
+    the host: this path is the per-sequence one, never the paged step), then one float32
+    softmax with the sink and one product with the values. A row selected twice counts
+    twice, as in the gathered softmax. q [1, H, D] -> [1, H, D] float32."""
+    si = swa_idx[0].long()
+    si = si[si >= 0]
+    parts = [codec.decode_swa(swa_codes.index_select(0, si), swa_scales.index_select(0, si))]
+    if kv_codes is not None and kv_idx.shape[1]:
+        ki = kv_idx[0].long()
+        ki = ki[ki >= 0]
+        if ki.numel():
+            parts.append(codec.decode_main(kv_codes.index_select(0, ki),
+                                           kv_scales.index_select(0, ki)))
+    rows = (torch.cat(parts) if len(parts) > 1 else parts[0]).float()
+    sink = sink.float()
+    if rows.shape[0] == 0:         # nothing visible: the sink takes all the probability
+        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    s = torch.mm(q[0].float(), rows.T).mul_(scale)                      # [H, R]
+    m = torch.maximum(s.amax(-1), sink)
+    p = torch.exp_(s.sub_(m[:, None]))
+    denom = p.sum(-1).add_(torch.exp(sink - m))
+    return torch.mm(p, rows).div_(denom[:, None])[None]
+
+
 # ---- MoE ---------------------------------------------------------------------------------
 
 def gate_forward(gate: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None):
     """The router in float32: expert ids [T, k], weights [T, k] float32."""
-    scores = gate.scores(F.linear(x.float(), gate.weight.float()))
+    scores = gate.scores(torch.mm(x.float(), transposed(gate.weight.float())))
     if hasattr(gate, "tid2eid"):
         if tokens is None:
             raise ValueError("a hash-routed MoE layer needs the token ids")
@@ -220,37 +170,52 @@ def expert_forward(expert: nn.Module, xb: torch.Tensor) -> torch.Tensor:
 
 def moe_forward(moe: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None, *,
                 path: str | None = None, grouped_mm=None) -> torch.Tensor:
-    """Routed experts over the (token, slot) pairs sorted by expert - grouped GEMMs, one
-    padded bmm, or a per-expert loop, as moe_grouped.moe_path says (`path` forces one:
-    tests) - plus the shared experts; float32 [T, hidden] out."""
+    """Routed experts plus the shared experts; float32 [T, hidden] out. The (token, slot)
+    pairs are sorted by expert and the routed experts run as moe_grouped.moe_path says
+    (`path` forces one: tests): grouped GEMMs (CUDA), one padded bmm (CPU) or a per-expert
+    loop (quantized experts). With bf16 experts the shared expert is one more group of the
+    same GEMMs, every token routed to it with weight 1 (moe_grouped.stacked_weights). The
+    grouped GEMMs, and the padded bmm of a decode-sized call, never read a device value on
+    the host; the loop and the padded bmm of a large call read the expert counts."""
     ids, weights = gate_forward(moe.gate, x, tokens)
-    T, k = ids.shape
+    T = ids.shape[0]
     xb = x.to(torch.bfloat16)
+    path = path or moe_path(moe, x.device)
+    E = len(moe.experts)
+    fused = path != "loop" and moe_grouped.shared_in_stack(moe)
+    if fused:      # the shared expert as group E, every token's extra slot
+        ids = F.pad(ids, (0, 1), value=E)
+        weights = F.pad(weights, (0, 1), value=1.0)
+    k = ids.shape[1]
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    sorted_ids, order = torch.sort(flat, stable=True)
     rows = order // k
-    counts = torch.bincount(flat, minlength=len(moe.experts))
+    # each group's first row among the sorted pairs; bincount would read a max on the host
+    starts = torch.searchsorted(sorted_ids, moe_grouped.group_ids(moe, E + fused, x.device))
     xs = xb.index_select(0, rows)
-    path = path or _moe_path(moe, x.device)
     routed = None
     if path != "loop":
-        routed = moe_grouped.run_routed(moe, path, xs, counts, grouped_mm)
+        routed = moe_grouped.run_routed(moe, path, xs, starts, grouped_mm,
+                                        groups_of_rows=sorted_ids, tokens=T)
     if routed is None:
+        counts = torch.diff(starts, append=starts.new_tensor([T * k]))
         routed = xs.new_empty(T * k, x.shape[1])
         at = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                routed[at:at + n] = expert_forward(moe.experts[e], xs[at:at + n])
+                expert = moe.experts[e] if e < E else moe.shared_experts
+                routed[at:at + n] = expert_forward(expert, xs[at:at + n])
                 at += n
-    out = routed.float().mul_(weights.reshape(-1).index_select(0, order)[:, None])
+    # bf16 x float32 promotes to float32 in one op: routed.float() * w, exactly
+    out = torch.mul(routed, weights.reshape(-1).index_select(0, order)[:, None])
     y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     y.index_add_(0, rows, out)
-    if hasattr(moe, "shared_experts"):
+    if hasattr(moe, "shared_experts") and not fused:
         y += expert_forward(moe.shared_experts, xb).float()
     return y
 
 
-def _moe_path(moe: nn.Module, device: torch.device) -> str:
+def moe_path(moe: nn.Module, device: torch.device) -> str:
     """moe_grouped.moe_path_for, cached per layer (again if the device or the experts'
     storage dtype changes)."""
     key = (device, moe.experts[0].w1.weight.dtype, moe.experts[-1].w2.weight.dtype)
@@ -352,7 +317,7 @@ def to_production(model: nn.Module, *, fp8: bool = False,
     from .layers import Embedding, Linear
     with torch.no_grad():
         for m in model.modules():
-            setattr(m, _FLAG, True)
+            setattr(m, PRODUCTION_FLAG, True)
             if isinstance(m, Embedding) and m.weight.dtype == torch.float32:
                 m.weight = nn.Parameter(m.weight.detach().to(torch.bfloat16),
                                         requires_grad=False)

@@ -14,8 +14,10 @@ Where each op lives (docs/kernels.md has the table):
     out, lse = dense_attention(..., kv_visible, sink, softmax_scale)   # the dense baseline
     scores = indexer_scores(q_codes, q_scales, weights, k_codes, k_scales)       # [T, N]
     scores = indexer_scores_at(q_codes, q_scales, weights, k_codes, k_scales, idx)  # [T, C]
+    scores = indexer_scores_paged(q_codes, ..., k_codes, k_scales, seg_rows, query_seg)  # [T, E]
     idx = topk_visible(scores, visible, k)                      # [T, k] int32, -1 padded
     pos = candidate_blocks(scores, visible, block, n_blocks)    # [T, n_blocks*block] int32
+    y = rms_norm(x, weight, eps); y = rope(x, cos, sin)          # per-row layer math (layer.py)
     fallbacks.total(), fallbacks.counts()    # CUDA calls that ran a generic kernel, and why
 """
 from __future__ import annotations
@@ -29,9 +31,12 @@ from .attention import AttentionPlan, attention_plan, dense_attention, sparse_at
 from .fallbacks import fallbacks
 from .selection import candidate_blocks, indexer_scores, indexer_scores_at, topk_visible
 from . import cache_ops  # noqa: F401  (cache writes, block copies: kernels in csrc/)
+from .paged import indexer_scores_paged  # the paged step's indexer (ops/paged.py)
+from .layer import hc_collapse, hc_expand, hc_weights, rms_norm, rope  # per-row math (ops/layer.py)
 
 ops = torch.ops.dsv41
 
 __all__ = ["ops", "reference", "sparse_attention", "dense_attention", "indexer_scores",
-           "indexer_scores_at", "topk_visible", "candidate_blocks", "AttentionPlan",
-           "attention_plan", "fallbacks"]
+           "indexer_scores_at", "indexer_scores_paged", "topk_visible", "candidate_blocks",
+           "AttentionPlan", "attention_plan", "fallbacks", "rms_norm", "rope", "hc_weights",
+           "hc_collapse", "hc_expand"]

@@ -41,6 +41,11 @@ class KernelFallbacks:
         with self._lock:
             return {f"{op}: {reason}": n for (op, reason), n in sorted(self._counts.items())}
 
+    def items(self) -> list[tuple[str, str, int]]:
+        """(op, reason, calls) of every kind seen, for metrics labels."""
+        with self._lock:
+            return [(op, reason, n) for (op, reason), n in sorted(self._counts.items())]
+
     def total(self) -> int:
         with self._lock:
             return sum(self._counts.values())

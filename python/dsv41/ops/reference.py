@@ -242,9 +242,10 @@ def topk_visible(scores, visible, k: int):
     equal = (s == kth) & mask
     need = torch.minimum(vis, torch.tensor(k, device=vis.device)) - greater.sum(1)
     chosen = greater | (equal & (equal.cumsum(1) <= need[:, None]))
-    rows, col = chosen.nonzero(as_tuple=True)  # row-major: columns ascending per row
-    slot = chosen.cumsum(1)[rows, col] - 1
-    out[rows, slot] = col.to(torch.int32)
+    # The chosen columns in ascending order without reading their count on the host: the
+    # kk largest of -column among them (unchosen columns map to -N), a sorted top-k.
+    picked = -torch.where(chosen, -cols, -N).topk(kk, dim=1).values
+    out[:, :kk] = torch.where(picked < N, picked, -1).to(torch.int32)
     return out
 
 

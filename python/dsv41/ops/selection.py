@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import profiling
+from .. import cpu_shortcuts, profiling
 from .._ext import _C
 from . import _checks, reference
 from .fallbacks import fallbacks
@@ -32,12 +32,16 @@ def _check_candidates(op, scores, visible, block, n_blocks):
 
 # ---- indexer ----------------------------------------------------------------------------
 
-@torch.library.custom_op("dsv41::indexer_scores", mutates_args=())
-def _indexer_scores(q_codes: Tensor, q_scales: Tensor, weights: Tensor, k_codes: Tensor,
-                    k_scales: Tensor) -> Tensor:
+def _indexer_scores_cpu(q_codes, q_scales, weights, k_codes, k_scales) -> Tensor:
     _checks.check_indexer("indexer_scores", q_codes, q_scales, weights, k_codes, k_scales)
     return reference.indexer_scores(q_codes, q_scales.view(torch.uint8), weights, k_codes,
                                     k_scales.view(torch.uint8))
+
+
+@torch.library.custom_op("dsv41::indexer_scores", mutates_args=())
+def _indexer_scores(q_codes: Tensor, q_scales: Tensor, weights: Tensor, k_codes: Tensor,
+                    k_scales: Tensor) -> Tensor:
+    return _indexer_scores_cpu(q_codes, q_scales, weights, k_codes, k_scales)
 
 
 @torch.library.custom_op("dsv41::indexer_scores_at", mutates_args=())
@@ -73,16 +77,24 @@ def _indexer_scores_at_fake(q_codes, q_scales, weights, k_codes, k_scales, idx):
 
 # ---- top-k ------------------------------------------------------------------------------
 
-@torch.library.custom_op("dsv41::topk_visible", mutates_args=())
-def _topk_visible(scores: Tensor, visible: Tensor, k: int) -> Tensor:
+def _topk_visible_cpu(scores, visible, k: int) -> Tensor:
     _checks.check_selection("topk_visible", scores, visible, k)
     return reference.topk_visible(scores, visible, k)
 
 
-@torch.library.custom_op("dsv41::candidate_blocks", mutates_args=())
-def _candidate_blocks(scores: Tensor, visible: Tensor, block: int, n_blocks: int) -> Tensor:
+def _candidate_blocks_cpu(scores, visible, block: int, n_blocks: int) -> Tensor:
     _check_candidates("candidate_blocks", scores, visible, block, n_blocks)
     return reference.candidate_blocks(scores, visible, block, n_blocks)
+
+
+@torch.library.custom_op("dsv41::topk_visible", mutates_args=())
+def _topk_visible(scores: Tensor, visible: Tensor, k: int) -> Tensor:
+    return _topk_visible_cpu(scores, visible, k)
+
+
+@torch.library.custom_op("dsv41::candidate_blocks", mutates_args=())
+def _candidate_blocks(scores: Tensor, visible: Tensor, block: int, n_blocks: int) -> Tensor:
+    return _candidate_blocks_cpu(scores, visible, block, n_blocks)
 
 
 @torch.library.register_fake("dsv41::topk_visible")
@@ -119,9 +131,21 @@ if _CUDA:
 
 # ---- the Python API: keyword-friendly names for the ops above ---------------------------
 
+def _eager_cpu(t: Tensor) -> bool:
+    """On the CPU outside torch.compile (with dsv41.cpu_shortcuts on), indexer_scores,
+    topk_visible and candidate_blocks call their CPU implementation (the same checks and
+    reference, no host read) as a plain call: the custom-op dispatch costs more than a
+    decode step's call does. indexer_scores_at keeps the dispatch (its index check reads
+    values, which the paged step must not do outside the op)."""
+    return (t.device.type == "cpu" and not torch.compiler.is_compiling()
+            and cpu_shortcuts.enabled())
+
+
 @profiling.op("op.indexer_scores")
 def indexer_scores(q_codes, q_scales, weights, k_codes, k_scales) -> Tensor:
     """See `dsv41.ops.reference.indexer_scores`."""
+    if _eager_cpu(weights):
+        return _indexer_scores_cpu(q_codes, q_scales, weights, k_codes, k_scales)
     return torch.ops.dsv41.indexer_scores(q_codes, q_scales, weights, k_codes, k_scales)
 
 
@@ -134,10 +158,14 @@ def indexer_scores_at(q_codes, q_scales, weights, k_codes, k_scales, idx) -> Ten
 @profiling.op("op.topk_visible")
 def topk_visible(scores, visible, k: int) -> Tensor:
     """See `dsv41.ops.reference.topk_visible`."""
+    if _eager_cpu(scores):
+        return _topk_visible_cpu(scores, visible, int(k))
     return torch.ops.dsv41.topk_visible(scores, visible, int(k))
 
 
 @profiling.op("op.candidate_blocks")
 def candidate_blocks(scores, visible, block: int, n_blocks: int) -> Tensor:
     """See `dsv41.ops.reference.candidate_blocks`."""
+    if _eager_cpu(scores):
+        return _candidate_blocks_cpu(scores, visible, int(block), int(n_blocks))
     return torch.ops.dsv41.candidate_blocks(scores, visible, int(block), int(n_blocks))

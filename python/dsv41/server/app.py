@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import SamplingParams
 from .generation import Generation, Piece
 from .loop import EngineFailed, EngineLoop, Overloaded, ShuttingDown
-from .metrics import pool_metrics, process_metrics
+from .metrics import fallback_metrics, pool_metrics, process_metrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_model, check_prompt,
                        send_error, validation_error)
 from .tenancy import ANONYMOUS, Tenancy
@@ -245,6 +245,7 @@ async def metrics(request: Request):
         except asyncio.TimeoutError:
             pass                              # a step longer than the scrape's patience: no pool lines
     text += process_metrics(sv.started)
+    text += fallback_metrics()
     if loop.engine.cache is not None:
         text += loop.engine.cache.metrics.to_prometheus()
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")

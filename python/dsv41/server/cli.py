@@ -37,6 +37,7 @@ class ServeOptions:
     swa_cache_mb: int = 1024
     swa_ttl_s: float = 300.0
     replay: str = "bounded"
+    runtime: str = "auto"                 # the engine's runtime: auto (paged when it can), paged, reference
     max_batch: int = 32
     max_prefill_tokens: int = 8192
     max_pending: int = 256
@@ -107,10 +108,10 @@ class Server:
             # recorded digest, or config + seed for synthetic weights): never another model's KV.
             self.cache = PrefixCache.for_model(model, cc)
         self.engine = Engine(model, cache=self.cache, replay=opts.replay, max_batch=opts.max_batch,
-                             max_prefill_tokens=opts.max_prefill_tokens)
+                             max_prefill_tokens=opts.max_prefill_tokens, runtime=opts.runtime)
         # One forward before serving, on a throwaway engine without the cache, so that no
         # client's first request pays torch's one-time set-up.
-        Engine(model).generate([[0, 1]], SamplingParams(max_new_tokens=2))
+        Engine(model, runtime=opts.runtime).generate([[0, 1]], SamplingParams(max_new_tokens=2))
         self.tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
         self.model_name = name
         self.fingerprint = SystemFingerprint.of(model, precision=precision, device=device)
@@ -157,7 +158,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         prefix_cache=not args.no_prefix_cache, cache_dir=args.cache_dir,
                         block_tokens=args.block_tokens, gpu_cache_mb=args.gpu_cache_mb,
                         swa_cache_mb=args.swa_cache_mb, swa_ttl_s=args.swa_ttl, replay=args.replay,
-                        max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
+                        runtime=args.runtime, max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
                         max_pending=args.max_pending, api_keys=keys, api_key_file=args.api_key_file,
                         require_salt=args.require_salt, cached_tokens=args.cached_tokens,
                         header_timeout_s=args.timeout_header, body_timeout_s=args.timeout_body,
@@ -222,6 +223,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--swa-ttl", type=FloatRange(0, 1e9), default=d.swa_ttl_s, help="SWA snapshot TTL (s)")
     s.add_argument("--replay", default=d.replay, choices=("bounded", "exact", "off"),
                    help="the path of a prompt whose SWA snapshot is gone (docs/replay.md)")
+    s.add_argument("--runtime", default=d.runtime, choices=("auto", "paged", "reference"),
+                   help="the engine's runtime: paged (one KV pool, batched steps, CUDA graphs; "
+                        "docs/paged.md), reference (per-sequence states), auto (paged when the "
+                        "model runs on it)")
     s.add_argument("--max-batch", type=IntRange(1, 1 << 16), default=d.max_batch, help="sequences per step")
     s.add_argument("--max-prefill-tokens", type=IntRange(1, 1 << 24), default=d.max_prefill_tokens,
                    help="prefill tokens per step")

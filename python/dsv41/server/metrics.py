@@ -14,8 +14,10 @@ import os
 import resource
 
 from ..cache.metrics import MetricsRegistry
+from ..ops.fallbacks import fallbacks
 
-__all__ = ["ServerMetrics", "TTFT_BUCKETS_S", "TOKEN_BUCKETS_S", "pool_metrics", "process_metrics"]
+__all__ = ["ServerMetrics", "TTFT_BUCKETS_S", "TOKEN_BUCKETS_S", "fallback_metrics", "pool_metrics",
+           "process_metrics"]
 
 TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                   30.0, 60.0)
@@ -97,6 +99,15 @@ def pool_metrics(stats: dict[str, dict]) -> str:
     lines = _gauge_lines("dsv41_engine_kv_pool", "KV memory per pool and state (used, free, total, ...), "
                          "in the pool's unit", sizes)
     lines += _gauge_lines("dsv41_engine_kv_pool_usage_ratio", "used / total per KV pool", ratios)
+    return "\n".join(lines) + "\n"
+
+
+def fallback_metrics() -> str:
+    """Prometheus text for `dsv41.ops.fallbacks`: CUDA calls that ran the generic kernel
+    where a tensor-core kernel was wanted, per op and reason (each kind is also logged once)."""
+    samples = [(_labels(op=op, reason=reason), n) for op, reason, n in fallbacks.items()]
+    lines = _gauge_lines("dsv41_kernel_fallbacks_total", "CUDA calls that fell back to a generic "
+                         "kernel, per op and reason", samples, kind="counter")
     return "\n".join(lines) + "\n"
 
 
