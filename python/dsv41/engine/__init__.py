@@ -8,13 +8,13 @@
                  per-sequence reference runtime
     prefix       cache lookup -> replay plan -> state; exact write-back
     sampler      greedy / temperature / top-p, seeded per request
-    llm_engine   Engine: add_request, step, generate, stream, metrics
+    engine       Engine: add_request, step, generate, stream, metrics
     demo         the `dsv41 demo` agent workload
 """
 from __future__ import annotations
 
 from ..replay import ReplayConfig
-from .llm_engine import Engine
+from .engine import Engine
 from .request import Request, RequestOutput, RequestStats, SamplingParams, StreamEvent, TokenLogprob
 
 __all__ = ["Engine", "ReplayConfig", "SamplingParams", "Request", "RequestOutput", "RequestStats",

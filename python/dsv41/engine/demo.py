@@ -61,7 +61,7 @@ def run_demo(args, out=None, err=None) -> dict:
     from ..config import ModelConfig
     from ..model import Model
     from ..model.production import default_precision
-    from .llm_engine import Engine
+    from .engine import Engine
     from .request import SamplingParams
 
     out = out if out is not None else sys.stdout

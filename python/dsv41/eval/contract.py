@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from .matrix import DIMENSIONS, REPLAY_MODES, STATES, normalize_replay
-from .metrics import bootstrap_ci, stat_names
+from .stats import bootstrap_ci, stat_names
 from .yamldoc import YamlDocument
 
 __all__ = ["ContractError", "Criterion", "Contract", "load_contract", "METRICS", "run_metric"]

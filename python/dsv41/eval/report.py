@@ -21,7 +21,7 @@ import numpy as np
 
 from .contract import Contract, run_metric
 from .matrix import DIMENSIONS
-from .metrics import bootstrap_ci, latency_summary
+from .stats import bootstrap_ci, latency_summary
 
 __all__ = ["summarize", "write_report", "aggregate"]
 

@@ -47,7 +47,7 @@ import torch
 
 from .contract import Contract
 from .matrix import Cell, Matrix
-from .metrics import divergence, latency_summary, percentile
+from .stats import divergence, latency_summary, percentile
 from .tasks import TASKS, TaskInstance
 from .tokenizer import EOS, CharTokenizer
 

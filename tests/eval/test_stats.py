@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.eval.metrics import bootstrap_ci, divergence, first_diff, kl_divergence, latency_summary, percentile
+from dsv41.eval.stats import bootstrap_ci, divergence, first_diff, kl_divergence, latency_summary, percentile
 
 
 def test_kl_matches_the_definition():
