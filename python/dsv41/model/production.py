@@ -185,7 +185,10 @@ def moe_forward(moe: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None, *,
     xb = x.to(torch.bfloat16)
     path = path or moe_path(moe, x.device)
     E = len(moe.experts)
-    fused = path != "loop" and moe_grouped.shared_in_stack(moe)
+    # the stack (checked once per call: run_routed reads it too) says whether the shared
+    # expert is one of its groups (moe_grouped.shared_in_stack)
+    stack = moe_grouped.stacked_weights(moe) if path != "loop" else None
+    fused = stack is not None and stack[0].shape[0] > E
     if fused:      # the shared expert as group E, every token's extra slot
         ids = F.pad(ids, (0, 1), value=E)
         weights = F.pad(weights, (0, 1), value=1.0)
@@ -199,7 +202,7 @@ def moe_forward(moe: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None, *,
     routed = None
     if path != "loop":
         routed = moe_grouped.run_routed(moe, path, xs, starts, grouped_mm,
-                                        groups_of_rows=sorted_ids, tokens=T)
+                                        groups_of_rows=sorted_ids, tokens=T, stack=stack)
     if routed is None:
         counts = torch.diff(starts, append=starts.new_tensor([T * k]))
         routed = xs.new_empty(T * k, x.shape[1])
