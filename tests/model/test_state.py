@@ -62,3 +62,52 @@ def test_export_import_and_swa_snapshot_rebuild_the_state(tiny):
         tiny.new_state().import_global(2, prefix)
     with pytest.raises(ValueError, match="snapshot expects"):
         tiny.new_state().restore_swa(snap)
+
+
+def test_rowstore_decoded_copy_follows_every_write():
+    from dsv41.model import RowStore
+    calls = []
+
+    def dec(codes, scales):
+        calls.append(codes.shape[0])
+        return codes.float() * scales.float()
+
+    store = RowStore(3, torch.uint8, 1, torch.uint8)
+    assert store.decoded("x", dec).shape == (0, 3)
+
+    def fresh():
+        codes, scales = store.rows()
+        return codes.float() * scales.float()
+
+    store.stage(torch.arange(6, dtype=torch.uint8).view(2, 3), torch.full((2, 1), 2, dtype=torch.uint8))
+    store.commit()
+    calls.clear()
+    assert torch.equal(store.decoded("x", dec), fresh()) and calls == [2]
+    assert torch.equal(store.decoded("x", dec), fresh()) and calls == [2]   # nothing new
+    for step in range(20):     # staged rows are decoded; a rollback rewrites them
+        store.stage(torch.full((1, 3), step, dtype=torch.uint8), torch.ones(1, 1, dtype=torch.uint8))
+        assert torch.equal(store.decoded("x", dec), fresh())
+        if step % 3 == 0:
+            store.rollback()
+            assert torch.equal(store.decoded("x", dec), fresh())
+        else:
+            store.commit()
+    assert max(calls[1:]) == 1                  # one new row at a time
+    store.truncate(4)
+    store.stage(torch.full((2, 3), 99, dtype=torch.uint8), torch.ones(2, 1, dtype=torch.uint8))
+    assert torch.equal(store.decoded("x", dec), fresh()) and calls[-1] == 2
+    assert store.clone().decoded("x", dec).shape == (4, 3)   # a clone starts without a copy
+
+
+@pytest.mark.parametrize("preset", ["v4-tiny", "v41-tiny"])
+def test_decode_with_decoded_copies_equals_decode_from_scratch(preset):
+    """A CPU decode step reads RowStore.decoded's incremental copies (indexer keys, main KV);
+    a clone starts without them and decodes every row: same logits, bit for bit."""
+    from dsv41 import Model, ModelConfig
+    model = Model.synthetic(ModelConfig.preset(preset), seed=0, precision="bf16")
+    state = model.new_state()
+    model.prefill(token_ids(45, seed=44), state)
+    for t in range(9):
+        scratch = state.clone()
+        assert torch.equal(model.decode_step(t, state), model.decode_step(t, scratch))
+        assert state_bytes_equal(state, scratch)

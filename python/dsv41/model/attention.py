@@ -218,9 +218,11 @@ class Attention(nn.Module):
                                               kv_scales, kidx, sink, self.softmax_scale)
             elif fp32 and seg.length == 1 and x.device.type == "cpu" \
                     and cpu_shortcuts.enabled():   # a decode step
+                kv_dec = (None if kv_codes is None else
+                          st.main_kv[p.kv_source].decoded("main", self.codec.decode_main))
                 out = production.attend_one(q[rows], self.codec, buf_values, buf_scales, sidx,
                                             kv_codes, kv_scales, kidx, sink,
-                                            self.softmax_scale)
+                                            self.softmax_scale, kv_decoded=kv_dec)
             else:
                 kv = (torch.zeros(0, c.head_dim, device=x.device) if kv_codes is None
                       else self.codec.decode_main(kv_codes, kv_scales))

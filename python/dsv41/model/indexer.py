@@ -23,7 +23,7 @@ import functools
 import torch
 from torch import nn
 
-from .. import ops
+from .. import cpu_shortcuts, formats, ops
 from ..config import MODE_FULL, MODE_REINDEX, LayerPlan, ModelConfig
 from .compressor import Compressor
 from .context import Segment
@@ -36,6 +36,10 @@ __all__ = ["Indexer", "hadamard"]
 
 # Query rows per scoring call: bounds the [rows, entries] score matrix at long lengths.
 _SCORE_ELEMS = 1 << 23
+
+
+def _dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return formats.dequantize_mxfp4(codes, scales.view(torch.uint8))
 
 
 @functools.cache
@@ -123,7 +127,8 @@ class Indexer(nn.Module):
         """This layer's top-k entry ids [T, index_topk] int32 (ascending, -1 padded) for
         one segment; the candidate source also stores the segment's candidate pool."""
         c, p = self.config, self.plan
-        k_codes, k_scales = seg.state.index_keys[p.index_key_source].rows()
+        store = seg.state.index_keys[p.index_key_source]
+        k_codes, k_scales = store.rows()
         visible = (seg.positions + 1) // p.compress_ratio
         T = seg.length
         if p.mode == MODE_FULL:
@@ -133,7 +138,7 @@ class Indexer(nn.Module):
             for t0 in range(0, T, step):
                 rows = slice(t0, min(T, t0 + step))
                 scores = self._scores(q_codes[rows], q_scales[rows], w[rows], k_codes,
-                                      k_scales)
+                                      k_scales, store)
                 idx.append(ops.topk_visible(scores, visible[rows], c.index_topk))
                 if is_source:
                     cands.append(ops.candidate_blocks(scores, visible[rows],
@@ -157,10 +162,16 @@ class Indexer(nn.Module):
         picked = cands.gather(1, chosen.clamp(min=0).long())
         return torch.where(chosen >= 0, picked, -1)
 
-    def _scores(self, q, q_scales, w, k, k_scales) -> torch.Tensor:
-        """I[t, j] = sum_h w[t,h] relu(q[t,h] . k[j]) [T, N] float32."""
+    def _scores(self, q, q_scales, w, k, k_scales, store=None) -> torch.Tensor:
+        """I[t, j] = sum_h w[t,h] relu(q[t,h] . k[j]) [T, N] float32. store: the keys'
+        RowStore; on the CPU (cpu_shortcuts) the scores read its dequantized copy
+        (RowStore.decoded: only the keys written since the last step are dequantized)."""
         if self.codec.quantized_index:
-            return ops.indexer_scores(q, q_scales, w, k, k_scales)
+            keys = None
+            if (store is not None and k.device.type == "cpu" and cpu_shortcuts.enabled()
+                    and not torch.compiler.is_compiling()):
+                keys = store.decoded("index.mxfp4", _dequantize_mxfp4)
+            return ops.indexer_scores(q, q_scales, w, k, k_scales, keys=keys)
         return self._weighted(torch.einsum("thd,nd->thn", q.double(), k.double()), w)
 
     @staticmethod

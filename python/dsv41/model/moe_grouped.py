@@ -99,10 +99,9 @@ def _valid_stack(moe: nn.Module):
     cached = moe.__dict__.get(_STACK)
     if cached is None:
         return None
-    for lin, p, ptr in cached[3]:
-        if lin._parameters.get("weight") is not p or p.data_ptr() != ptr:
-            return None
-    return cached
+    if all(params.get("weight") is p and p.data_ptr() == ptr for params, p, ptr in cached[3]):
+        return cached
+    return None
 
 
 def stacked_weights(moe: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +129,7 @@ def stacked_weights(moe: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         e.w1.weight = nn.Parameter(w13[i, :inter], requires_grad=False)
         e.w3.weight = nn.Parameter(w13[i, inter:], requires_grad=False)
         e.w2.weight = nn.Parameter(w2[i], requires_grad=False)
-    lins = [(lin, lin.weight, lin.weight.data_ptr())
+    lins = [(lin._parameters, lin.weight, lin.weight.data_ptr())
             for e in experts for lin in (e.w1, e.w3, e.w2)]
     object.__setattr__(moe, _STACK, (None, w13, w2, lins))
     return w13, w2
@@ -173,14 +172,14 @@ def _swiglu(h: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
 
 def run_routed(moe: nn.Module, path: str, xs: torch.Tensor, starts: torch.Tensor,
                grouped_mm=None, *, groups_of_rows: torch.Tensor,
-               tokens: int | None = None) -> torch.Tensor | None:
+               tokens: int | None = None, stack=None) -> torch.Tensor | None:
     """Routed experts over the expert-sorted bf16 rows xs [N, H] -> bf16 [N, H]; None when
     this call should take the loop (padded_bmm with too much padding). starts [E']: each
     group's first row (groups of stacked_weights); groups_of_rows [N]: each row's group
     (sorted). tokens: the call's token count (padded_bmm pads to it when small).
     grouped_mm: the grouped GEMM to call (default torch._grouped_mm; tests pass the
-    emulation)."""
-    w13, w2 = stacked_weights(moe)
+    emulation). stack: stacked_weights(moe), when the caller has it."""
+    w13, w2 = stack if stack is not None else stacked_weights(moe)
     E, inter = w13.shape[0], w2.shape[2]
     limit = moe.experts[0].limit
     N = xs.shape[0]

@@ -118,12 +118,14 @@ def attend(q: torch.Tensor, swa: torch.Tensor, swa_idx: torch.Tensor, kv: torch.
 def attend_one(q: torch.Tensor, codec, swa_codes: torch.Tensor, swa_scales: torch.Tensor,
                swa_idx: torch.Tensor, kv_codes: torch.Tensor | None,
                kv_scales: torch.Tensor | None, kv_idx: torch.Tensor, sink: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_decoded: torch.Tensor | None = None) -> torch.Tensor:
     """`attend` for one query on the CPU (a per-sequence decode step) from the stored rows:
-    only the rows it reads are decoded (its valid SWA slots and selected entries, found on
-    the host: this path is the per-sequence one, never the paged step), then one float32
-    softmax with the sink and one product with the values. A row selected twice counts
-    twice, as in the gathered softmax. q [1, H, D] -> [1, H, D] float32."""
+    only the SWA rows it reads are decoded (its valid slots, found on the host: this path is
+    the per-sequence one, never the paged step), the selected entries are decoded too or,
+    given kv_decoded (codec.decode_main of every entry: RowStore.decoded's copy), gathered
+    from it; then one float32 softmax with the sink and one product with the values. A row
+    selected twice counts twice, as in the gathered softmax. q [1, H, D] -> [1, H, D]
+    float32."""
     si = swa_idx[0].long()
     si = si[si >= 0]
     parts = [codec.decode_swa(swa_codes.index_select(0, si), swa_scales.index_select(0, si))]
@@ -131,7 +133,8 @@ def attend_one(q: torch.Tensor, codec, swa_codes: torch.Tensor, swa_scales: torc
         ki = kv_idx[0].long()
         ki = ki[ki >= 0]
         if ki.numel():
-            parts.append(codec.decode_main(kv_codes.index_select(0, ki),
+            parts.append(kv_decoded.index_select(0, ki) if kv_decoded is not None else
+                         codec.decode_main(kv_codes.index_select(0, ki),
                                            kv_scales.index_select(0, ki)))
     rows = (torch.cat(parts) if len(parts) > 1 else parts[0]).float()
     sink = sink.float()
@@ -182,7 +185,10 @@ def moe_forward(moe: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None, *,
     xb = x.to(torch.bfloat16)
     path = path or moe_path(moe, x.device)
     E = len(moe.experts)
-    fused = path != "loop" and moe_grouped.shared_in_stack(moe)
+    # the stack (checked once per call: run_routed reads it too) says whether the shared
+    # expert is one of its groups (moe_grouped.shared_in_stack)
+    stack = moe_grouped.stacked_weights(moe) if path != "loop" else None
+    fused = stack is not None and stack[0].shape[0] > E
     if fused:      # the shared expert as group E, every token's extra slot
         ids = F.pad(ids, (0, 1), value=E)
         weights = F.pad(weights, (0, 1), value=1.0)
@@ -196,7 +202,7 @@ def moe_forward(moe: nn.Module, x: torch.Tensor, tokens: torch.Tensor | None, *,
     routed = None
     if path != "loop":
         routed = moe_grouped.run_routed(moe, path, xs, starts, grouped_mm,
-                                        groups_of_rows=sorted_ids, tokens=T)
+                                        groups_of_rows=sorted_ids, tokens=T, stack=stack)
     if routed is None:
         counts = torch.diff(starts, append=starts.new_tensor([T * k]))
         routed = xs.new_empty(T * k, x.shape[1])

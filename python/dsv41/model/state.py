@@ -55,6 +55,13 @@ class RowStore:
     Rows [0, n) are committed; a forward stages new rows after them (`stage`), reads the
     committed and staged rows (`rows`), then `commit`s or `rollback`s. Capacity grows by
     doubling, so appends are amortized O(1) per row.
+
+    `decoded(name, fn)` keeps a decoded copy of the rows (fn: the codec's row-wise decode),
+    decoding only the rows written since the last call: a CPU decode step reads every key
+    (the indexer) or many entries (attention) and would otherwise decode the whole store
+    each step. Every write goes through stage / rollback / truncate, which mark the rows
+    from the write on as stale, so the copy never outlives the rows it decodes. It is a
+    derived cache: not counted in nbytes, not cloned.
     """
 
     def __init__(self, code_cols: int, code_dtype: torch.dtype, scale_cols: int,
@@ -63,6 +70,33 @@ class RowStore:
         self.scales = torch.zeros(0, scale_cols, dtype=scale_dtype, device=device)
         self.n = 0
         self._end = 0
+        self._decoded: dict[str, list] = {}     # name -> [rows decoded, buffer]
+
+    def _stale_from(self, row: int) -> None:
+        for entry in self._decoded.values():
+            entry[0] = min(entry[0], row)
+
+    def decoded(self, name: str, fn) -> torch.Tensor:
+        """fn(codes, scales) of the committed and staged rows [0, end), from a copy that
+        decodes only rows not decoded since they were written. fn must decode row by row
+        (row i of its output depends on row i of its inputs only) and give the same shape
+        and dtype each call; `name` keys the copy (one name per fn)."""
+        end = self._end
+        entry = self._decoded.setdefault(name, [0, None])
+        done, buf = entry[0], entry[1]
+        if done < end:
+            new = fn(self.codes[done:end], self.scales[done:end])
+            if buf is None or buf.shape[0] < end:
+                grown = new.new_empty((max(end, 2 * (0 if buf is None else buf.shape[0]), 16),
+                                       *new.shape[1:]))
+                if buf is not None and done:
+                    grown[:done] = buf[:done]
+                entry[1] = buf = grown
+            buf[done:end] = new
+            entry[0] = end
+        if buf is None:    # an empty store: fn's shape from zero rows
+            return fn(self.codes[:0], self.scales[:0])
+        return buf[:end]
 
     @property
     def row_bytes(self) -> int:
@@ -93,6 +127,7 @@ class RowStore:
     def stage(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         m = codes.shape[0]
         self._reserve(self._end + m)
+        self._stale_from(self._end)
         self.codes[self._end:self._end + m] = codes
         self.scales[self._end:self._end + m] = scales
         self._end += m
@@ -106,6 +141,7 @@ class RowStore:
             return
         m = x.shape[0]
         self._reserve(self._end + m)
+        self._stale_from(self._end)
         rows = torch.arange(self._end, self._end + m, device=x.device)
         cache_ops.quantize_scatter(fmt, x, self.codes, self.scales, rows)
         self._end += m
@@ -115,17 +151,20 @@ class RowStore:
 
     def rollback(self) -> None:
         self._end = self.n
+        self._stale_from(self._end)
 
     def truncate(self, n: int) -> None:
         """Drop committed rows past n (for callers that rebuild a suffix)."""
         if not 0 <= n <= self.n:
             raise ValueError(f"truncate: n={n} outside [0, {self.n}]")
         self.n = self._end = n
+        self._stale_from(n)
 
     def clone(self) -> RowStore:
         out = RowStore.__new__(RowStore)
         out.codes, out.scales = self.codes[:self.n].clone(), self.scales[:self.n].clone()
         out.n = out._end = self.n
+        out._decoded = {}
         return out
 
     def equal(self, other: RowStore) -> bool:

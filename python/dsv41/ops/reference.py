@@ -180,18 +180,20 @@ def _weighted_relu_sum(dots: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     return acc
 
 
-def indexer_scores(q_codes, q_scales, weights, k_codes, k_scales):
+def indexer_scores(q_codes, q_scales, weights, k_codes, k_scales, keys=None):
     """I[t,j] = sum_h w[t,h] * ReLU(q[t,h] . k[j]) over every key j.
 
     q_codes [T,Hi,Di/2] uint8 + q_scales [T,Hi,Di/32] UE8M0 (MXFP4 queries), weights
     [T,Hi] f32, k_codes [N,Di/2] + k_scales [N,Di/32] (MXFP4 keys) -> scores [T,N] f32.
+    keys: the keys already dequantized (float32 [N,Di], exactly dequantize_mxfp4's values:
+    a cache of them), or None to dequantize k_codes here.
     """
     T, Hi = weights.shape
     N = k_codes.shape[0]
     scores = torch.zeros(T, N, dtype=torch.float32, device=weights.device)
     if T == 0 or N == 0:
         return scores
-    keys = formats.dequantize_mxfp4(k_codes, k_scales).double()
+    keys = (formats.dequantize_mxfp4(k_codes, k_scales) if keys is None else keys).double()
     queries = formats.dequantize_mxfp4(q_codes, q_scales)
     step = _query_block(Hi * N)
     for t0 in range(0, T, step):

@@ -32,10 +32,13 @@ def _check_candidates(op, scores, visible, block, n_blocks):
 
 # ---- indexer ----------------------------------------------------------------------------
 
-def _indexer_scores_cpu(q_codes, q_scales, weights, k_codes, k_scales) -> Tensor:
+def _indexer_scores_cpu(q_codes, q_scales, weights, k_codes, k_scales, keys=None) -> Tensor:
     _checks.check_indexer("indexer_scores", q_codes, q_scales, weights, k_codes, k_scales)
+    if keys is not None and (keys.shape[0] != k_codes.shape[0] or keys.dtype != torch.float32):
+        raise ValueError(f"indexer_scores: keys must be float32 [{k_codes.shape[0]}, Di], got "
+                         f"{keys.dtype} {tuple(keys.shape)}")
     return reference.indexer_scores(q_codes, q_scales.view(torch.uint8), weights, k_codes,
-                                    k_scales.view(torch.uint8))
+                                    k_scales.view(torch.uint8), keys=keys)
 
 
 @torch.library.custom_op("dsv41::indexer_scores", mutates_args=())
@@ -142,10 +145,12 @@ def _eager_cpu(t: Tensor) -> bool:
 
 
 @profiling.op("op.indexer_scores")
-def indexer_scores(q_codes, q_scales, weights, k_codes, k_scales) -> Tensor:
-    """See `dsv41.ops.reference.indexer_scores`."""
+def indexer_scores(q_codes, q_scales, weights, k_codes, k_scales, *, keys=None) -> Tensor:
+    """See `dsv41.ops.reference.indexer_scores`. keys: the keys dequantized (float32 [N, Di],
+    a cache of dequantize_mxfp4(k_codes, k_scales)), read instead of decoding k_codes on the
+    eager CPU path (same values, so the same scores); ignored elsewhere."""
     if _eager_cpu(weights):
-        return _indexer_scores_cpu(q_codes, q_scales, weights, k_codes, k_scales)
+        return _indexer_scores_cpu(q_codes, q_scales, weights, k_codes, k_scales, keys)
     return torch.ops.dsv41.indexer_scores(q_codes, q_scales, weights, k_codes, k_scales)
 
 
