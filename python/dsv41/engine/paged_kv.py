@@ -22,6 +22,7 @@ the global entries of the tokens past the last page boundary, and the token ids.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -116,24 +117,10 @@ class PagedMemory:
     def snapshot(self, kv: SeqKV) -> TensorSnapshot:
         """The sequence's SWA state after its tokens so far, for the SWA tier (tail from
         the last page boundary)."""
-        c, W, P = self.config, self.config.sliding_window, self.page_tokens
-        pos = kv.position
-        aligned = pos // P * P
-        tensors: dict[str, torch.Tensor] = {"tokens": torch.tensor(kv.tokens, dtype=torch.int64)}
-        ring = slice(kv.slot * W, (kv.slot + 1) * W)
-        for layer, (values, scales) in self.kv.swa.items():
-            tensors[f"swa_values.{layer}"] = values[ring].clone()
-            tensors[f"swa_scales.{layer}"] = scales[ring].clone()
-        for layer, (kvs, score) in self.kv.comp.items():
-            m = c.compress_ratios[layer]
-            rows = slice(kv.slot * m, kv.slot * m + pos % m)
-            tensors[f"pending.{layer}.kv"] = kvs[rows].clone()
-            tensors[f"pending.{layer}.score"] = score[rows].clone()
-        for kind, arrays in (("main", self.kv.main), ("index", self.kv.index)):
-            for layer, (codes, scales) in arrays.items():
-                rows = self._tail_rows(kv, layer, aligned)
-                tensors[f"tail.{kind}.{layer}.codes"] = codes[rows].clone()
-                tensors[f"tail.{kind}.{layer}.scales"] = scales[rows].clone()
+        c, pos = self.config, kv.position
+        aligned = pos // self.page_tokens * self.page_tokens
+        tensors = {name: rows.clone() for name, rows in self._views(kv, pos, aligned)}
+        tensors["tokens"] = torch.tensor(kv.tokens, dtype=torch.int64)
         meta = {"format": SNAPSHOT_FORMAT, "config_fingerprint": c.fingerprint(),
                 "aligned_to": aligned, "tail_kinds": ["index", "main"]}
         return TensorSnapshot(pos, tensors, meta)
@@ -142,7 +129,7 @@ class PagedMemory:
         """Resume from a snapshot: the sequence holds the pages of [0, aligned_to) (mapped
         from the cache); the tail's entries go to a fresh private page, the rings and
         pending rows to its slot."""
-        c, W, P = self.config, self.config.sliding_window, self.page_tokens
+        c, P = self.config, self.page_tokens
         if snap.meta.get("format") != SNAPSHOT_FORMAT:
             raise ValueError(f"not a model snapshot (format {snap.meta.get('format')!r})")
         if snap.meta.get("config_fingerprint") != c.fingerprint():
@@ -152,29 +139,37 @@ class PagedMemory:
             raise ValueError(f"restore: a snapshot of {pos} tokens (tail from {aligned}) on a "
                              f"sequence holding {len(kv.pages)} pages of {P} at position "
                              f"{kv.position}")
-        t = {k: v.to(self.model.device) for k, v in snap.tensors.items()}
         self.ensure(kv, pos)                      # the tail's page, when there is a tail
+        for name, rows in self._views(kv, pos, aligned):
+            rows.copy_(snap.tensors[name].to(self.model.device).view(rows.dtype))
+        kv.position = pos
+        kv.tokens = snap.tensors["tokens"].tolist()
+
+    def _views(self, kv: SeqKV, pos: int, aligned: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each snapshot tensor's name and the memory rows it holds, as a view: every
+        layer's W ring rows (position p in row p % W), each compressor's pending rows, and
+        the global entries of tokens [aligned, pos) in the pool's pages. The one place that
+        maps a snapshot onto the slot and the pages, for both directions."""
+        W = self.config.sliding_window
         ring = slice(kv.slot * W, (kv.slot + 1) * W)
         for layer, (values, scales) in self.kv.swa.items():
-            values[ring] = t[f"swa_values.{layer}"]
-            scales[ring] = t[f"swa_scales.{layer}"]
+            yield f"swa_values.{layer}", values[ring]
+            yield f"swa_scales.{layer}", scales[ring]
         for layer, (kvs, score) in self.kv.comp.items():
-            m = c.compress_ratios[layer]
+            m = self.config.compress_ratios[layer]
             rows = slice(kv.slot * m, kv.slot * m + pos % m)
-            kvs[rows] = t[f"pending.{layer}.kv"]
-            score[rows] = t[f"pending.{layer}.score"]
-        kv.position = pos
+            yield f"pending.{layer}.kv", kvs[rows]
+            yield f"pending.{layer}.score", score[rows]
         for kind, arrays in (("main", self.kv.main), ("index", self.kv.index)):
             for layer, (codes, scales) in arrays.items():
-                rows = self._tail_rows(kv, layer, aligned)
-                codes[rows] = t[f"tail.{kind}.{layer}.codes"].view(codes.dtype)
-                scales[rows] = t[f"tail.{kind}.{layer}.scales"].view(scales.dtype)
-        kv.tokens = t["tokens"].tolist()
+                rows = self._tail_rows(kv, layer, pos, aligned)
+                yield f"tail.{kind}.{layer}.codes", codes[rows]
+                yield f"tail.{kind}.{layer}.scales", scales[rows]
 
-    def _tail_rows(self, kv: SeqKV, layer: int, aligned: int) -> slice:
-        """Pool rows of `layer`'s entries of tokens [aligned, position)."""
+    def _tail_rows(self, kv: SeqKV, layer: int, pos: int, aligned: int) -> slice:
+        """Pool rows of `layer`'s entries of tokens [aligned, pos)."""
         m = self.config.compress_ratios[layer]
-        n = (kv.position - aligned) // m
+        n = (pos - aligned) // m
         if not n:
             return slice(0, 0)
         e = self.pool.entries_per_block(layer)
