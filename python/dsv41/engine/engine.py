@@ -41,7 +41,7 @@ from ..model import Model
 from ..ops.fallbacks import fallbacks
 from ..replay import ReplayConfig
 from .request import Request, RequestOutput, SamplingParams, StreamEvent, TokenLogprob
-from .runtime import make_runtime
+from .runtime import make_runtime, page_pool_usage
 from .sampler import make_generator, sample_rows
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -323,10 +323,7 @@ class Engine:
         if self.cache is None:
             return out
         stats = self.cache.stats()
-        gpu = stats["gpu"]
-        out["global_kv"] = {"used": gpu["cached_blocks"], "free": gpu["free_blocks"],
-                            "total": gpu["num_blocks"], "referenced": gpu["referenced_blocks"],
-                            "unit": "pages"}
+        out["global_kv"] = page_pool_usage(stats["gpu"])
         swa = stats.get("swa")
         if swa is not None:
             out["swa_snapshots"] = {"used": swa["used_bytes"],

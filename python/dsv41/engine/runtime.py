@@ -43,7 +43,7 @@ from .prefix import PrefixIO
 from .scheduler import Chunk, Step
 from .sequence import Sequence
 
-__all__ = ["RUNTIMES", "PagedRuntime", "ReferenceRuntime", "make_runtime"]
+__all__ = ["RUNTIMES", "PagedRuntime", "ReferenceRuntime", "make_runtime", "page_pool_usage"]
 
 log = logging.getLogger("dsv41.engine")
 
@@ -288,11 +288,16 @@ class PagedRuntime:
     def memory_stats(self) -> dict[str, dict]:
         out = self.memory.stats()
         if self.cache is None:                   # the engine's own pool (else the cache's)
-            p = self.memory.pool.stats()
-            out["global_kv"] = {"used": p["cached_blocks"], "free": p["free_blocks"],
-                                "total": p["num_blocks"], "referenced": p["referenced_blocks"],
-                                "unit": "pages"}
+            out["global_kv"] = page_pool_usage(self.memory.pool.stats())
         return out
+
+
+def page_pool_usage(stats: dict) -> dict:
+    """memory_stats' "global_kv" entry from a page pool's GlobalKVPool.stats(): cached
+    pages count as used until evicted."""
+    return {"used": stats["cached_blocks"], "free": stats["free_blocks"],
+            "total": stats["num_blocks"], "referenced": stats["referenced_blocks"],
+            "unit": "pages"}
 
 
 def _cached(plan, position: int) -> int | None:
