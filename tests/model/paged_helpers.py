@@ -52,6 +52,9 @@ class Driver:
         for s in seqs:
             self._cover(s, s.position + 1)
             chunks.append(SeqChunk([token], s.position, s.slot, list(s.pages)))
+        return self._build(chunks, **pad)
+
+    def _build(self, chunks: list[SeqChunk], **pad):
         return build_batch(chunks, window=self.model.config.sliding_window, page_tokens=self.P,
                            ratios=self.ratios, num_slots=self.kv.num_slots,
                            decoder=self.model.config.encoder_decoder,
@@ -67,10 +70,7 @@ class Driver:
             self._cover(s, s.position + len(toks))
             kw = {k: v[i] for k, v in extra.items()}
             chunks.append(SeqChunk(toks, s.position, s.slot, list(s.pages), **kw))
-        batch = build_batch(chunks, window=self.model.config.sliding_window, page_tokens=self.P,
-                            ratios=self.ratios, num_slots=self.kv.num_slots,
-                            decoder=self.model.config.encoder_decoder, pad_to=pad_to,
-                            pad_slot=self.kv.pad_slot, context_cap=context_cap)
+        batch = self._build(chunks, pad_to=pad_to, context_cap=context_cap)
         logits = forward(self.model, batch.to(self.model.device), self.kv)
         out, at = [], 0
         for (s, toks), n in zip(work, batch.logit_counts[:len(work)]):
